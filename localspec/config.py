@@ -1,0 +1,88 @@
+"""Frozen settings for sampling and speculation, and where localspec keeps its files.
+
+No torch import here: the CLI validates options before anything heavy loads.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from localspec.errors import LocalspecError
+
+PROPOSERS = ("auto", "ngram", "draft", "none")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    temperature: float = 0.0
+    """0 means greedy: the output is the target's own argmax sequence."""
+    top_k: int = 0
+    """Keep only the k most likely tokens before sampling; 0 keeps all."""
+    top_p: float = 1.0
+    """Keep the smallest set of tokens whose probability reaches p; 1.0 keeps all."""
+    seed: int | None = None
+    """Seed for the sampler's generator; None draws a fresh one."""
+
+    def __post_init__(self) -> None:
+        if not (self.temperature >= 0.0) or self.temperature > 100:
+            raise LocalspecError(f"--temperature must be between 0 and 100, got {self.temperature}")
+        if self.top_k < 0:
+            raise LocalspecError(f"--top-k must be 0 (off) or a positive integer, got {self.top_k}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise LocalspecError(f"--top-p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    proposer: str = "auto"
+    """auto | ngram | draft | none."""
+    draft_len: int | None = None
+    """Fixed number of drafted tokens per pass; None lets the measured cost model choose each pass."""
+    max_draft_len: int = 12
+    """Upper bound for the adaptive policy (verify widths are calibrated up to this + 1)."""
+    ngram_min: int = 1
+    """Shortest suffix the n-gram proposer will match."""
+    ngram_max: int = 4
+    """Longest suffix the n-gram proposer tries first."""
+
+    def __post_init__(self) -> None:
+        if self.proposer not in PROPOSERS:
+            raise LocalspecError(f"--proposer must be one of {', '.join(PROPOSERS)}, got {self.proposer!r}")
+        if self.draft_len is not None and not (0 <= self.draft_len <= 64):
+            raise LocalspecError(f"--draft-len must be between 0 and 64, got {self.draft_len}")
+        if not (1 <= self.max_draft_len <= 64):
+            raise LocalspecError(f"max draft length must be between 1 and 64, got {self.max_draft_len}")
+        if not (1 <= self.ngram_min <= self.ngram_max):
+            raise LocalspecError(
+                f"n-gram sizes need 1 <= min <= max, got min={self.ngram_min} max={self.ngram_max}"
+            )
+
+
+@dataclass(frozen=True)
+class GenerationLimits:
+    max_new_tokens: int = 512
+    """Stop after this many generated tokens."""
+    stop: tuple[str, ...] = ()
+    """Stop as soon as the text contains one of these strings (it is cut before the string)."""
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise LocalspecError(f"--max-new-tokens must be at least 1, got {self.max_new_tokens}")
+        if any(s == "" for s in self.stop):
+            raise LocalspecError("a stop string must not be empty")
+
+
+def home_dir() -> Path:
+    """Root of localspec's files: $LOCALSPEC_HOME, else $XDG_CACHE_HOME/localspec, else ~/.cache/localspec."""
+    if os.environ.get("LOCALSPEC_HOME"):
+        return Path(os.environ["LOCALSPEC_HOME"]).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "localspec"

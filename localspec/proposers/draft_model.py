@@ -1,0 +1,68 @@
+"""A small model with the target's tokenizer drafts tokens one by one from its own KV cache."""
+
+from __future__ import annotations
+
+import torch
+
+from localspec.config import SamplingConfig
+from localspec.kv import KVCache
+from localspec.proposers.base import Proposer
+from localspec.sampling import probs_from_logits, sample
+from localspec.tree import Draft
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class DraftModelProposer(Proposer):
+    name = "draft"
+    has_model = True
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self.device = next(model.parameters()).device
+        self.kv = KVCache()
+        self.cached: list[int] = []  # the token ids whose keys/values self.kv holds
+
+    def reset(self) -> None:
+        self.kv = KVCache()
+        self.cached = []
+
+    def _forward(self, ids: list[int]) -> torch.Tensor:
+        """Feed ids after the cache; return the logits after the last one, (V,)."""
+        start = len(self.cached)
+        x = torch.tensor([ids], dtype=torch.long, device=self.device)  # (1, n)
+        pos = torch.arange(start, start + len(ids), device=self.device)[None]  # (1, n)
+        out = self.model(input_ids=x, position_ids=pos, cache=self.kv.cache, use_cache=True, logits_to_keep=1)
+        self.cached.extend(ids)
+        return out.logits[0, -1]
+
+    @torch.inference_mode()
+    def propose(
+        self, tokens: list[int], max_len: int, sampling: SamplingConfig, generator: torch.Generator
+    ) -> Draft:
+        if max_len <= 0:
+            return Draft.chain([])
+        # resynchronise: keep what still matches (O(1) truncate), feed what is new (at least one token)
+        keep = min(common_prefix(self.cached, tokens), len(tokens) - 1)
+        self.kv.truncate(keep)
+        del self.cached[keep:]
+        logits = self._forward(tokens[keep:])
+        drafted: list[int] = []
+        probs: list[torch.Tensor | None] = []
+        for step in range(max_len):
+            if sampling.greedy:
+                token, q = int(logits.argmax()), None
+            else:
+                q = probs_from_logits(logits, sampling).cpu()  # (V,)
+                token = sample(q, generator)
+            drafted.append(token)
+            probs.append(q)
+            if step + 1 < max_len:
+                logits = self._forward([token])
+        return Draft.chain(drafted, probs)

@@ -1,0 +1,119 @@
+"""From a model name and options to a ready Engine: load, choose proposer and dtype, calibrate.
+
+The CLI, the benchmark and the UI all start here; the engine itself knows nothing of registries,
+files or dtype choices.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import torch
+
+from localspec.config import SpecConfig
+from localspec.costs import CostModel, WIDTHS, load_calibrations, measured_costs, save_calibration
+from localspec.engine import Engine
+from localspec.errors import LocalspecError
+from localspec.loading import LoadedModel, load_model, pick_device
+from localspec.proposers import DraftModelProposer, NgramProposer
+from localspec.registry import ModelEntry, Registry, choose_proposer, load_registry
+
+DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+ASSUMED_ACCEPTANCE = 0.7
+"""Acceptance used to compare dtypes before any generation has been seen."""
+
+
+@dataclass
+class Session:
+    """Everything loaded for one target/proposer pair."""
+
+    entry: ModelEntry
+    target: LoadedModel
+    draft: LoadedModel | None
+    engine: Engine
+    proposer: str
+    reason: str
+    dtype_reason: str
+
+
+def notice(message: str, quiet: bool = False) -> None:
+    if not quiet:
+        print(f"localspec: {message}", file=sys.stderr, flush=True)
+
+
+def costs_for(target: LoadedModel, draft: LoadedModel | None, widths=WIDTHS) -> CostModel:
+    verify = measured_costs(target.name, target.model, widths)
+    step = measured_costs(draft.name, draft.model, (1,))[1] if draft is not None else 0.0
+    return CostModel(verify, step)
+
+
+def _best_rate(costs: CostModel, proposer: str, max_len: int) -> float:
+    if proposer == "none":
+        return costs.expected_rate(ASSUMED_ACCEPTANCE, 0)
+    return max(costs.expected_rate(ASSUMED_ACCEPTANCE, g) for g in range(max_len + 1))
+
+
+def choose_dtype(
+    entry: ModelEntry, draft_entry: ModelEntry | None, proposer: str, spec: SpecConfig, device: torch.device, quiet: bool
+) -> tuple[torch.dtype, str]:
+    """The compute dtype: bf16/fp16 on accelerators; on a CPU whichever the measurement favours."""
+    if device.type == "cuda":
+        dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return dtype, f"{dtype} on CUDA"
+    if device.type == "mps":
+        return torch.float16, "float16 on MPS"
+    key = f"dtype|{entry.name}|{draft_entry.name if draft_entry else '-'}|{proposer}|threads={torch.get_num_threads()}"
+    cached = load_calibrations().get(key)
+    if cached:
+        return DTYPE_NAMES[cached["dtype"]], cached["reason"]
+    notice(f"measuring float32 vs bfloat16 for {entry.name} on this CPU (once)", quiet)
+    rates = {}
+    for name in ("float32", "bfloat16"):
+        target = load_model(entry, DTYPE_NAMES[name], device=device, progress=not quiet)
+        draft = load_model(draft_entry, DTYPE_NAMES[name], device=device, progress=not quiet) if draft_entry else None
+        rates[name] = _best_rate(costs_for(target, draft), proposer, spec.max_draft_len)
+        del target, draft
+    best = max(rates, key=rates.get)
+    reason = "measured " + ", ".join(f"{n} {r:.2f} tok/s" for n, r in rates.items()) + f" -> {best}"
+    save_calibration(key, {"dtype": best, "reason": reason})
+    return DTYPE_NAMES[best], reason
+
+
+def open_session(
+    model: str | None = None,
+    proposer: str = "auto",
+    dtype: str = "auto",
+    spec: SpecConfig | None = None,
+    quiet: bool = False,
+    registry: Registry | None = None,
+) -> Session:
+    registry = registry or load_registry()
+    entry = registry.get(model)
+    spec = spec or SpecConfig(proposer=proposer)
+    proposer, reason = choose_proposer(proposer, entry)
+    draft_entry = None
+    if proposer == "draft":
+        if not entry.drafts:
+            raise LocalspecError(f"{entry.name} has no registered draft model; try --proposer ngram")
+        draft_entry = registry.get(entry.drafts[0])
+    if dtype not in ("auto", *DTYPE_NAMES):
+        raise LocalspecError(f"--dtype must be auto, float32, bfloat16 or float16, got {dtype!r}")
+    device = pick_device()
+    if dtype == "auto":
+        torch_dtype, dtype_reason = choose_dtype(entry, draft_entry, proposer, spec, device, quiet)
+    else:
+        torch_dtype, dtype_reason = DTYPE_NAMES[dtype], f"--dtype {dtype}"
+    target = load_model(entry, torch_dtype, device=device, progress=not quiet)
+    draft = load_model(draft_entry, torch_dtype, device=device, progress=not quiet) if draft_entry else None
+    costs = costs_for(target, draft)
+    proposer_obj = {
+        "none": lambda: None,
+        "ngram": lambda: NgramProposer(spec.ngram_min, spec.ngram_max),
+        "draft": lambda: DraftModelProposer(draft.model),
+    }[proposer]()
+    engine = Engine(
+        target.model, target.tokenizer, proposer_obj, spec=spec, costs=costs,
+        context_len=target.context_len, proposer_reason=reason,
+    )
+    return Session(entry, target, draft, engine, proposer, reason, dtype_reason)

@@ -1,0 +1,132 @@
+"""Counters for one generation and the figures derived from them.
+
+A plain object, updated by the engine once per target pass; the CLI, the UI and the benchmark read
+it. Speedup formula (Leviathan et al. 2023): with acceptance a, draft length g and cost ratio c
+(one draft step / one target pass), a pass yields (1 - a^(g+1)) / (1 - a) tokens for 1 + g*c time.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+
+def predicted_speedup(a: float, g: float, c: float) -> float:
+    if g <= 0:
+        return 1.0
+    a = min(max(a, 0.0), 1.0 - 1e-9)
+    return (1.0 - a ** (g + 1)) / ((1.0 - a) * (1.0 + g * c))
+
+
+@dataclass
+class GenerationStats:
+    proposer: str = "none"
+    reason: str = ""
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    passes: int = 0
+    """Target forward passes after the prefill (each commits accepted + 1 tokens)."""
+    drafted: int = 0
+    accepted: int = 0
+    drafted_at: list[int] = field(default_factory=list)
+    """drafted_at[i]: passes whose draft reached position i (0-based)."""
+    accepted_at: list[int] = field(default_factory=list)
+    """accepted_at[i]: passes whose draft was accepted up to and including position i."""
+    draft_steps: int = 0
+    """Draft model forward passes (0 for lookups)."""
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    prefill_seconds: float = 0.0
+    ttft_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    """From the first emitted token to the last."""
+    plain_token_seconds: float = 0.0
+    """Calibrated cost of one plain one-token target pass, for the measured-speedup figure."""
+    stop_reason: str = ""
+    started: float = field(default_factory=time.perf_counter)
+
+    def record_pass(self, drafted: int, accepted: int, draft_seconds: float, verify_seconds: float) -> None:
+        self.passes += 1
+        self.drafted += drafted
+        self.accepted += accepted
+        self.draft_seconds += draft_seconds
+        self.verify_seconds += verify_seconds
+        while len(self.drafted_at) < drafted:
+            self.drafted_at.append(0)
+            self.accepted_at.append(0)
+        for i in range(drafted):
+            self.drafted_at[i] += 1
+        for i in range(accepted):
+            self.accepted_at[i] += 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def acceptance_by_position(self) -> list[float]:
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_at, self.drafted_at)]
+
+    @property
+    def mean_tokens_per_pass(self) -> float:
+        return (self.accepted + self.passes) / self.passes if self.passes else 0.0
+
+    @property
+    def mean_draft_len(self) -> float:
+        return self.drafted / self.passes if self.passes else 0.0
+
+    @property
+    def cost_ratio(self) -> float:
+        """c: time of one draft step over time of one target pass, as measured in this generation."""
+        if not self.draft_steps or not self.passes or not self.verify_seconds:
+            return 0.0
+        return (self.draft_seconds / self.draft_steps) / (self.verify_seconds / self.passes)
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        # the first token's time belongs to TTFT; the rest were produced in decode_seconds
+        return (self.new_tokens - 1) / self.decode_seconds if self.decode_seconds > 0 and self.new_tokens > 1 else 0.0
+
+    @property
+    def predicted_speedup(self) -> float:
+        return predicted_speedup(self.acceptance_rate, self.mean_draft_len, self.cost_ratio)
+
+    @property
+    def measured_speedup(self) -> float:
+        tps = self.decode_tokens_per_second
+        return tps * self.plain_token_seconds if self.plain_token_seconds > 0 else 0.0
+
+    def summary(self) -> str:
+        return (
+            f"[{self.proposer}] {self.new_tokens} tokens, {self.decode_tokens_per_second:.2f} tok/s, "
+            f"TTFT {self.ttft_seconds * 1000:.0f} ms, acceptance {self.acceptance_rate:.0%}, "
+            f"{self.mean_tokens_per_pass:.2f} tokens/pass, draft len {self.mean_draft_len:.1f}, "
+            f"c {self.cost_ratio:.2f}, speedup {self.measured_speedup:.2f}x "
+            f"(formula {self.predicted_speedup:.2f}x), stop: {self.stop_reason}"
+        )
+
+    def to_dict(self) -> dict:
+        return {
+            "proposer": self.proposer,
+            "reason": self.reason,
+            "prompt_tokens": self.prompt_tokens,
+            "new_tokens": self.new_tokens,
+            "passes": self.passes,
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "acceptance_rate": self.acceptance_rate,
+            "acceptance_by_position": self.acceptance_by_position,
+            "mean_tokens_per_pass": self.mean_tokens_per_pass,
+            "mean_draft_len": self.mean_draft_len,
+            "draft_steps": self.draft_steps,
+            "draft_seconds": self.draft_seconds,
+            "verify_seconds": self.verify_seconds,
+            "cost_ratio_c": self.cost_ratio,
+            "prefill_seconds": self.prefill_seconds,
+            "ttft_seconds": self.ttft_seconds,
+            "decode_seconds": self.decode_seconds,
+            "decode_tokens_per_second": self.decode_tokens_per_second,
+            "predicted_speedup": self.predicted_speedup,
+            "measured_speedup": self.measured_speedup,
+            "stop_reason": self.stop_reason,
+        }

@@ -1,0 +1,87 @@
+"""Draft trees: the shape every proposer returns, and what the target needs to verify one.
+
+A draft is a tree of N candidate tokens hanging off the last committed token (the root, which is
+not part of the draft). `parents[i]` is the index of node i's parent, or -1 when it hangs off the
+root; parents always come before their children. A chain (one candidate per position) is the tree
+with parents = [-1, 0, 1, ...]; it needs no special mask because it is plain causal attention.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class Draft:
+    tokens: list[int]
+    """Candidate token ids, one per node."""
+    parents: list[int]
+    """Parent node of each node, -1 for children of the root."""
+    probs: list[torch.Tensor | None] = field(default_factory=list)
+    """Per node, the (V,) distribution its token was sampled from, or None for a deterministic
+    guess (treated as one-hot on the token). Empty list means all None."""
+
+    def __post_init__(self) -> None:
+        if len(self.tokens) != len(self.parents):
+            raise ValueError("a draft needs one parent per token")
+        if any(not (-1 <= p < i) for i, p in enumerate(self.parents)):
+            raise ValueError("each parent must come before its child")
+        if not self.probs:
+            self.probs = [None] * len(self.tokens)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @classmethod
+    def chain(cls, tokens: list[int], probs: list[torch.Tensor | None] | None = None) -> "Draft":
+        return cls(list(tokens), list(range(-1, len(tokens) - 1)), list(probs or []))
+
+    @property
+    def is_chain(self) -> bool:
+        return all(p == i - 1 for i, p in enumerate(self.parents))
+
+    def depths(self) -> list[int]:
+        """Depth of each node; children of the root have depth 1."""
+        depth: list[int] = []
+        for p in self.parents:
+            depth.append(1 if p < 0 else depth[p] + 1)
+        return depth
+
+    def children(self, node: int) -> list[int]:
+        """Children of `node` (-1 for the root) in the order the proposer ranked them."""
+        return [i for i, p in enumerate(self.parents) if p == node]
+
+
+def verify_inputs(draft: Draft, root_token: int, past_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Token ids, position ids and attention mask for one target pass over root + draft.
+
+    The root is the last committed token, not yet in the KV cache (it sits at position past_len).
+    Returns ids (1, N+1), positions (1, N+1) and either None (chain: causal attention suffices) or
+    a boolean mask (1, 1, N+1, past_len + N + 1) where each node sees the past, the root and its
+    own ancestors.
+    """
+    n = len(draft)
+    ids = torch.tensor([[root_token, *draft.tokens]], dtype=torch.long)  # (1, N+1)
+    depth = torch.tensor([0, *draft.depths()], dtype=torch.long)
+    positions = (past_len + depth).unsqueeze(0)  # (1, N+1)
+    if draft.is_chain:
+        return ids, positions, None
+    local = torch.zeros(n + 1, n + 1, dtype=torch.bool)  # (N+1, N+1): row sees column
+    local[:, 0] = True
+    for i, p in enumerate(draft.parents, start=1):
+        local[i] = local[p + 1]
+        local[i, i] = True
+    mask = torch.ones(n + 1, past_len + n + 1, dtype=torch.bool)
+    mask[:, past_len:] = local
+    return ids, positions, mask[None, None]
+
+
+def path_to(draft: Draft, node: int) -> list[int]:
+    """Node indices from the root's child down to `node` (inclusive); [] for the root (-1)."""
+    path = []
+    while node >= 0:
+        path.append(node)
+        node = draft.parents[node]
+    return path[::-1]

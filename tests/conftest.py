@@ -1,0 +1,49 @@
+"""Tiny random-weight models of two architectures and a character tokenizer, built in-process."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+VOCAB = 96
+
+
+def tiny_model(arch: str = "llama", seed: int = 0, vocab: int = VOCAB, layers: int = 2, hidden: int = 48):
+    torch.manual_seed(seed)
+    common = dict(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        bos_token_id=None, eos_token_id=None, pad_token_id=None,
+    )
+    model = (LlamaForCausalLM(LlamaConfig(**common)) if arch == "llama" else Qwen2ForCausalLM(Qwen2Config(**common)))
+    # random init gives near-uniform logits; sharper ones make greedy runs repeat like real text
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model.eval().requires_grad_(False)
+
+
+class CharTokenizer:
+    """Printable ASCII as token ids (id = ord(c) - 32); id 0 (space) ... 94 ('~'), 95 = EOS."""
+
+    eos_token_id = 95
+    chat_template = None
+
+    def encode(self, text: str) -> list[int]:
+        return [min(max(ord(c) - 32, 0), 94) for c in text]
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return "".join(chr(i + 32) for i in ids if i != self.eos_token_id)
+
+
+@pytest.fixture(params=["llama", "qwen2"])
+def arch(request):
+    return request.param
+
+
+def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
+    ids = torch.tensor([prompt])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n, min_new_tokens=n)
+    return out[0, len(prompt):].tolist()

