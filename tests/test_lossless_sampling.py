@@ -1,0 +1,122 @@
+"""Sampling with speculation must be distributed exactly as the target alone (T > 0).
+
+Chi-square tests against the exact target distribution, computed from the target's own logits.
+The same tests with a deliberately wrong rejection rule must fail, so they have the power to
+notice a real bug.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from conftest import tiny_model
+from localspec import verify as verify_module
+from localspec.config import GenerationLimits, SamplingConfig, SpecConfig
+from localspec.engine import Engine
+from localspec.proposers import DraftModelProposer
+from localspec.sampling import make_generator, probs_from_logits
+from localspec.tree import Draft
+from localspec.verify import verify_sampling
+
+VOCAB = 6
+PROMPT = [1, 2, 3, 4]
+
+
+def chi2_limit(df: int, z: float = 3.29) -> float:
+    """Upper quantile of chi-square with df degrees of freedom (Wilson-Hilferty; z=3.29 ~ p 0.9995)."""
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+def chi2(counts: dict, expected: dict, n: int) -> tuple[float, int]:
+    stat, cells = 0.0, 0
+    for key, p in expected.items():
+        e = n * p
+        if e >= 5:
+            stat += (counts.get(key, 0) - e) ** 2 / e
+            cells += 1
+    return stat, cells - 1
+
+
+def exact_pairs(target, sampling: SamplingConfig) -> dict:
+    """P(first two generated tokens) under the target alone."""
+    with torch.no_grad():
+        p1 = probs_from_logits(target(torch.tensor([PROMPT])).logits[0, -1], sampling)
+        out = {}
+        for a in range(VOCAB):
+            p2 = probs_from_logits(target(torch.tensor([PROMPT + [a]])).logits[0, -1], sampling)
+            for b in range(VOCAB):
+                out[(a, b)] = float(p1[a] * p2[b])
+    return out
+
+
+def sample_pairs(target, draft, sampling_kw: dict, n: int) -> dict:
+    engine = Engine(target, None, DraftModelProposer(draft), SpecConfig(draft_len=2))
+    counts: dict = {}
+    for seed in range(n):
+        sampling = SamplingConfig(seed=seed, **sampling_kw)
+        out = [p.token_id for ev in engine.generate(PROMPT, sampling, GenerationLimits(2)) for p in ev.pieces]
+        counts[tuple(out)] = counts.get(tuple(out), 0) + 1
+    return counts
+
+
+def models():
+    target = tiny_model("llama", seed=3, vocab=VOCAB, layers=1, hidden=16)
+    draft = tiny_model("llama", seed=4, vocab=VOCAB, layers=1, hidden=16)
+    with torch.no_grad():  # a soft target and a peaked draft that disagrees with it often
+        target.lm_head.weight.mul_(0.3)
+        draft.lm_head.weight.mul_(2.0)
+    return target, draft
+
+
+@pytest.mark.parametrize("sampling_kw", [dict(temperature=1.0), dict(temperature=0.7, top_k=4, top_p=0.9)])
+def test_speculative_sampling_matches_target_distribution(sampling_kw):
+    target, draft = models()
+    n = 1000
+    counts = sample_pairs(target, draft, sampling_kw, n)
+    stat, df = chi2(counts, exact_pairs(target, SamplingConfig(**sampling_kw)), n)
+    assert stat < chi2_limit(df), (stat, df)
+
+
+def test_wrong_rejection_rule_is_detected(monkeypatch):
+    # a classic bug: after a rejection, sample from p instead of the residual max(0, p - q)
+    monkeypatch.setattr(verify_module, "_residual", lambda p, q, token: p)
+    target, draft = models()
+    n = 1000
+    counts = sample_pairs(target, draft, dict(temperature=1.0), n)
+    stat, df = chi2(counts, exact_pairs(target, SamplingConfig(temperature=1.0)), n)
+    assert stat > chi2_limit(df), (stat, df)
+
+
+def _tree_counts(p: torch.Tensor, draft: Draft, n: int) -> dict:
+    logits = p.log().expand(len(draft) + 1, -1)  # the same target distribution at every node
+    gen = make_generator(0)
+    counts: dict = {}
+    for _ in range(n):
+        verdict = verify_sampling(draft, logits, SamplingConfig(temperature=1.0), gen)
+        first = draft.tokens[verdict.accepted[0]] if verdict.accepted else verdict.next_token
+        counts[first] = counts.get(first, 0) + 1
+    return counts
+
+
+def test_tree_multi_candidate_rule_keeps_target_distribution():
+    p = torch.tensor([0.05, 0.4, 0.1, 0.3, 0.15])
+    # three deterministic guesses at the first position (one-hot q), one of them with a child
+    draft = Draft([1, 3, 0, 2], [-1, -1, -1, 0])
+    n = 20000
+    counts = _tree_counts(p, draft, n)
+    stat, df = chi2(counts, {i: float(p[i]) for i in range(5)}, n)
+    assert stat < chi2_limit(df), (stat, df)
+
+
+def test_tree_rule_without_renormalising_is_detected(monkeypatch):
+    monkeypatch.setattr(verify_module, "_residual", lambda p, q, token: p)
+    p = torch.tensor([0.05, 0.4, 0.1, 0.3, 0.15])
+    draft = Draft([1, 3, 0, 2], [-1, -1, -1, 0])
+    n = 20000
+    counts = _tree_counts(p, draft, n)
+    stat, df = chi2(counts, {i: float(p[i]) for i in range(5)}, n)
+    assert stat > chi2_limit(df), (stat, df)

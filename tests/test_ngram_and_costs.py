@@ -1,0 +1,83 @@
+"""Prompt lookup as a table of cases; the cost model's choice of draft length; the statistics."""
+
+from __future__ import annotations
+
+import pytest
+
+from localspec.costs import AcceptanceTracker, CostModel, measured_costs
+from localspec.stats import GenerationStats, predicted_speedup
+from localspec.proposers.ngram import lookup
+
+
+@pytest.mark.parametrize(
+    "tokens, max_len, nmin, nmax, expected",
+    [
+        ([1, 2, 3, 4, 1, 2], 3, 1, 3, [3, 4, 1]),  # longest suffix [1, 2] matched, continuation follows
+        ([1, 2, 3, 4, 1, 2], 1, 1, 3, [3]),  # capped at max_len
+        ([1, 2, 3, 9, 2, 3, 7, 2, 3], 2, 1, 2, [7, 2]),  # the most recent match wins
+        ([5, 1, 2, 8, 9, 1, 2], 4, 1, 3, [8, 9, 1, 2]),
+        ([1, 2, 3], 4, 1, 3, []),  # nothing repeats
+        ([7, 7, 7], 4, 1, 3, [7]),  # overlapping match: [7, 7] at 0 is followed by one 7
+        ([4, 5, 6, 1, 5, 6], 3, 3, 3, []),  # only 2-gram matches, but min n is 3
+        ([4, 5, 6, 1, 5, 6], 3, 2, 3, [1, 5, 6]),
+        ([3], 4, 1, 2, []),
+        ([1, 2, 1], 0, 1, 2, []),
+    ],
+)
+def test_ngram_lookup_table(tokens, max_len, nmin, nmax, expected):
+    assert lookup(tokens, max_len, nmin, nmax) == expected
+
+
+def test_draft_length_follows_measured_costs():
+    # verifying is nearly free up to 8 tokens (bf16 with AMX): long drafts pay when acceptance is high
+    flat = CostModel({1: 0.30, 2: 0.28, 4: 0.24, 8: 0.26, 16: 0.31}, draft_step_seconds=0.0)
+    assert flat.best_draft_len(0.8, 12) >= 7
+    # every extra verified token costs (fp32 past 3 tokens) and each draft step costs a third of a pass
+    steep = CostModel({1: 0.25, 2: 0.28, 3: 0.29, 4: 0.51, 8: 0.97}, draft_step_seconds=0.09)
+    assert 1 <= steep.best_draft_len(0.8, 12) <= 3
+    # drafts that are always wrong only cost time: draft nothing
+    assert steep.best_draft_len(0.02, 12) == 0
+    # interpolation between and beyond the calibrated widths
+    assert steep.verify(3) == pytest.approx(0.29)
+    assert steep.verify(6) == pytest.approx((0.51 + 0.97) / 2)
+    assert steep.verify(10) > steep.verify(8)
+
+
+def test_acceptance_tracker_moves_towards_recent_passes():
+    tracker = AcceptanceTracker(prior=0.5)
+    for _ in range(30):
+        tracker.update(drafted=4, accepted=4)
+    assert tracker.rate > 0.95
+    for _ in range(30):
+        tracker.update(drafted=4, accepted=0)
+    assert tracker.rate < 0.2
+    tracker.update(drafted=0, accepted=0)  # an empty draft says nothing about acceptance
+    assert tracker.rate < 0.2
+
+
+def test_calibration_is_measured_once_and_cached(tmp_path, monkeypatch):
+    from conftest import tiny_model
+    import localspec.costs as costs
+
+    monkeypatch.setenv("LOCALSPEC_HOME", str(tmp_path))
+    model = tiny_model("llama")
+    first = measured_costs("tiny", model, (1, 2, 4))
+    assert set(first) == {1, 2, 4} and all(t > 0 for t in first.values())
+    monkeypatch.setattr(costs, "time_forward", lambda *a, **k: pytest.fail("measured again"))
+    assert measured_costs("tiny", model, (1, 2, 4)) == first
+    assert (tmp_path / "calibration.json").exists()
+
+
+def test_statistics_derived_figures():
+    stats = GenerationStats()
+    stats.record_pass(drafted=4, accepted=4, draft_seconds=0.4, verify_seconds=1.0)
+    stats.record_pass(drafted=4, accepted=1, draft_seconds=0.4, verify_seconds=1.0)
+    stats.record_pass(drafted=2, accepted=0, draft_seconds=0.2, verify_seconds=1.0)
+    stats.draft_steps = 10
+    assert stats.acceptance_rate == pytest.approx(0.5)
+    assert stats.mean_tokens_per_pass == pytest.approx(8 / 3)
+    assert stats.acceptance_by_position == pytest.approx([2 / 3, 1 / 3, 1 / 2, 1 / 2])
+    assert stats.cost_ratio == pytest.approx(0.1)
+    assert predicted_speedup(0.0, 0, 0.1) == 1.0
+    # a = 0.8, g = 4, c = 0.1: (1 - 0.8^5) / (0.2 * 1.4)
+    assert predicted_speedup(0.8, 4, 0.1) == pytest.approx((1 - 0.8**5) / (0.2 * 1.4))
