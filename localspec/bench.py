@@ -94,7 +94,7 @@ def run_hf(mode: str, target, draft, ids: list[int], max_new: int) -> dict:
     return {"tokens": len(new), "seconds": seconds, "tokens_per_second": len(new) / seconds, "output_ids": new}
 
 
-def run_bench(args) -> int:
+def run_bench(args, spec: SpecConfig) -> int:
     registry = load_registry()
     entry = registry.get(args.model)
     prompts = load_prompts(args.prompts)
@@ -110,7 +110,6 @@ def run_bench(args) -> int:
     if "none" not in wanted:
         wanted.insert(0, "none")  # the baseline every speedup is measured against
     draft_entry = draft_entry_for(registry, entry) if "draft" in wanted else None
-    spec = SpecConfig(draft_len=args.draft_len)
     dtype_for = "draft" if draft_entry else "ngram"
     target, draft, dtype_reason = load_models(entry, draft_entry, dtype_for, args.dtype, spec, quiet=False)
     print(f"localspec: bench {entry.name}, dtype {target.dtype} ({dtype_reason}), "
@@ -144,6 +143,8 @@ def run_bench(args) -> int:
             base = baseline[r["prompt"]]
             r["speedup_vs_none"] = r["tokens_per_second"] / base["tokens_per_second"]
             r["same_output_as_none"] = r["output_ids"] == base["output_ids"]
+    for runs in results.values():
+        for r in runs:
             del r["output_ids"]
     report = {
         "model": entry.name, "dtype": str(target.dtype).removeprefix("torch."), "dtype_reason": dtype_reason,

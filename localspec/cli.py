@@ -17,6 +17,9 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="registry name (default: the registry's default model)")
     p.add_argument("--dtype", default="auto", choices=DTYPES, help="compute dtype (auto: measured on this machine)")
     p.add_argument("--draft-len", type=int, default=None, help="fixed draft length (default: adaptive, from measured costs)")
+    p.add_argument("--max-draft-len", type=int, default=12, help="upper bound for the adaptive draft length")
+    p.add_argument("--ngram-min", type=int, default=1, help="shortest suffix prompt lookup matches")
+    p.add_argument("--ngram-max", type=int, default=4, help="longest suffix prompt lookup tries first")
 
 
 def _add_sampling_options(p: argparse.ArgumentParser) -> None:
@@ -53,6 +56,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def spec_from(args: argparse.Namespace, proposer: str) -> SpecConfig:
+    return SpecConfig(
+        proposer=proposer, draft_len=args.draft_len, max_draft_len=args.max_draft_len,
+        ngram_min=args.ngram_min, ngram_max=args.ngram_max,
+    )
+
+
 def _read_prompt(arg: str) -> str:
     if arg != "-":
         return arg
@@ -66,7 +76,7 @@ def _read_prompt(arg: str) -> str:
 def cmd_run(args: argparse.Namespace) -> int:
     sampling = SamplingConfig(args.temperature, args.top_k, args.top_p, args.seed)
     limits = GenerationLimits(args.max_new_tokens, tuple(args.stop))
-    spec = SpecConfig(proposer=args.proposer, draft_len=args.draft_len)
+    spec = spec_from(args, args.proposer)
     prompt = _read_prompt(args.prompt)
     if not prompt.strip():
         raise LocalspecError("the prompt is empty")
@@ -121,7 +131,7 @@ def cmd_models(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     from localspec.bench import run_bench
 
-    return run_bench(args)
+    return run_bench(args, spec_from(args, "auto"))
 
 
 def main(argv: list[str] | None = None) -> int:

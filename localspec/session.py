@@ -9,6 +9,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 
+import psutil
 import torch
 
 from localspec.config import SpecConfig
@@ -17,8 +18,11 @@ from localspec.engine import Engine
 from localspec.errors import LocalspecError
 from localspec.loading import LoadedModel, load_model, pick_device
 from localspec.proposers import DraftModelProposer, NgramProposer
+from localspec_kernels.cpu_linear import linear_bytes, pack_linears, packing_supported, set_wide_from, unpack_linears
 from localspec.registry import ModelEntry, Registry, choose_proposer, load_registry
 
+PACKING_MEMORY_MARGIN = 1 << 30
+"""Free memory to leave beside the packed weight copies."""
 DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 ASSUMED_ACCEPTANCE = 0.7
 """Acceptance used to compare dtypes before any generation has been seen."""
@@ -42,8 +46,33 @@ def notice(message: str, quiet: bool = False) -> None:
         print(f"localspec: {message}", file=sys.stderr, flush=True)
 
 
+def fast_verify_path(target: LoadedModel, widths=WIDTHS) -> dict[int, float]:
+    """Measure the target's pass cost per width, with prepacked weights for wide passes when
+    that measures faster and memory allows; returns the cost curve of the path now in place."""
+    if target.verify_costs is None:
+        target.verify_costs = _choose_verify_path(target, widths)
+    return target.verify_costs
+
+
+def _choose_verify_path(target: LoadedModel, widths) -> dict[int, float]:
+    plain = measured_costs(target.name, target.model, widths)
+    if target.device.type != "cpu" or not packing_supported():
+        return plain
+    if psutil.virtual_memory().available < linear_bytes(target.model) + PACKING_MEMORY_MARGIN:
+        return plain
+    pack_linears(target.model, wide_from=2)
+    packed = measured_costs(f"{target.name}|packed", target.model, widths)
+    # the packed path from the narrowest width from which it wins at every wider width
+    wide_from = next((w for w in widths if w >= 2 and all(packed[v] < plain[v] for v in widths if v >= w)), None)
+    if wide_from is None:
+        unpack_linears(target.model)
+        return plain
+    set_wide_from(target.model, wide_from)
+    return {w: plain[w] if w < wide_from else packed[w] for w in widths}
+
+
 def costs_for(target: LoadedModel, draft: LoadedModel | None, widths=WIDTHS) -> CostModel:
-    verify = measured_costs(target.name, target.model, widths)
+    verify = fast_verify_path(target, widths)
     step = measured_costs(draft.name, draft.model, (1,))[1] if draft is not None else 0.0
     return CostModel(verify, step)
 

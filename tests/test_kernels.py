@@ -1,0 +1,40 @@
+"""Every fast path against its plain torch reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from localspec_kernels.cpu_linear import PackedLinear, pack_linears, packing_supported, unpack_linears
+
+pytestmark = pytest.mark.skipif(not packing_supported(), reason="this torch build has no oneDNN linear ops")
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 7, 16, 33])
+@pytest.mark.parametrize("out_features, in_features, bias", [(64, 32, False), (97, 45, True), (1, 7, True)])
+def test_packed_linear_matches_reference(dtype, tol, rows, out_features, in_features, bias):
+    torch.manual_seed(rows)
+    linear = torch.nn.Linear(in_features, out_features, bias=bias).to(dtype)
+    x = torch.randn(1, rows, in_features, dtype=dtype)
+    reference = F.linear(x, linear.weight, linear.bias)
+    for wide_from in (1, 4, 64):  # packed path, mixed, reference path
+        out = PackedLinear(linear, wide_from)(x)
+        assert out.shape == reference.shape and out.dtype == reference.dtype
+        torch.testing.assert_close(out, reference, atol=tol, rtol=tol)
+
+
+def test_packing_a_model_keeps_its_logits():
+    from conftest import tiny_model
+
+    model = tiny_model("qwen2")
+    ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
+    with torch.no_grad():
+        reference = model(ids).logits
+        added = pack_linears(model, wide_from=4)
+        assert added > 0 and any(isinstance(m, PackedLinear) for m in model.modules())
+        torch.testing.assert_close(model(ids).logits, reference, atol=1e-4, rtol=1e-4)
+        unpack_linears(model)
+        assert not any(isinstance(m, PackedLinear) for m in model.modules())
+        torch.testing.assert_close(model(ids).logits, reference)
