@@ -20,7 +20,7 @@ import torch
 from localspec.config import GenerationLimits, SamplingConfig, SpecConfig
 from localspec.errors import LocalspecError
 from localspec.registry import choose_proposer, load_registry
-from localspec.session import draft_entry_for, load_models, make_engine
+from localspec.session import describe_weights, draft_entry_for, load_models, make_engine
 
 HF_MODES = ("hf-plain", "hf-assisted", "hf-prompt-lookup")
 
@@ -80,7 +80,7 @@ def run_localspec(engine, prompt: str, max_new: int) -> dict:
 
 
 @torch.inference_mode()
-def run_hf(mode: str, target, draft, ids: list[int], max_new: int) -> dict:
+def run_hf(mode: str, target, draft, ids: list[int], max_new: int, eos: set[int]) -> dict:
     kwargs = {}
     if mode == "hf-assisted":
         kwargs["assistant_model"] = draft.model
@@ -91,6 +91,8 @@ def run_hf(mode: str, target, draft, ids: list[int], max_new: int) -> dict:
     out = target.model.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=max_new, **kwargs)
     seconds = time.perf_counter() - start
     new = out[0, len(ids):].tolist()
+    while new and new[-1] in eos:  # counted like localspec's answers, which end before the EOS
+        new.pop()
     return {"tokens": len(new), "seconds": seconds, "tokens_per_second": len(new) / seconds, "output_ids": new}
 
 
@@ -119,19 +121,20 @@ def run_bench(args, spec: SpecConfig) -> int:
     results: dict[str, list[dict]] = {m: [] for m in modes}
     engines = {name: make_engine(target, draft, name, spec, choose_proposer(name, entry)[1]) for name in wanted}
     encoded = [engines["none"].encode(p["prompt"]) for p in prompts]
+    eos = engines["none"].eos
     for mode in modes:
         # warm-up, excluded: first-call allocations and lazy initialisation
         if mode in engines:
             run_localspec(engines[mode], prompts[0]["prompt"], 8)
         else:
-            run_hf(mode, target, draft, encoded[0], 8)
+            run_hf(mode, target, draft, encoded[0], 8, eos)
         for prompt, ids in zip(prompts, encoded):
             if mode in engines:
                 engines[mode].kv.truncate(0)  # no prefix reuse between prompts: each run from scratch
                 engines[mode].kv_tokens.clear()
                 r = run_localspec(engines[mode], prompt["prompt"], args.max_new_tokens)
             else:
-                r = run_hf(mode, target, draft, ids, args.max_new_tokens)
+                r = run_hf(mode, target, draft, ids, args.max_new_tokens, eos)
             r["prompt"] = prompt["name"]
             r["peak_memory_mb"] = peak_memory_mb(target.device)
             results[mode].append(r)
@@ -148,7 +151,8 @@ def run_bench(args, spec: SpecConfig) -> int:
             del r["output_ids"]
     report = {
         "model": entry.name, "dtype": str(target.dtype).removeprefix("torch."), "dtype_reason": dtype_reason,
-        "draft_model": draft.name if draft else None, "max_new_tokens": args.max_new_tokens,
+        "target_weights": describe_weights(target), "draft_model": draft.name if draft else None,
+        "draft_weights": describe_weights(draft) if draft else None, "max_new_tokens": args.max_new_tokens,
         "draft_len": args.draft_len or "adaptive", "machine": machine_info(),
         "prompts": [{"name": p["name"], "kind": p["kind"]} for p in prompts], "results": results,
     }

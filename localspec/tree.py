@@ -22,6 +22,9 @@ class Draft:
     probs: list[torch.Tensor | None] = field(default_factory=list)
     """Per node, the (V,) distribution its token was sampled from, or None for a deterministic
     guess (treated as one-hot on the token). Empty list means all None."""
+    label: str = ""
+    """Which kind of guess this is (e.g. "ngram-3": a 3-token match); the engine keeps a separate
+    acceptance estimate per label, because a long match is far more reliable than a short one."""
 
     def __post_init__(self) -> None:
         if len(self.tokens) != len(self.parents):
@@ -35,8 +38,14 @@ class Draft:
         return len(self.tokens)
 
     @classmethod
-    def chain(cls, tokens: list[int], probs: list[torch.Tensor | None] | None = None) -> "Draft":
-        return cls(list(tokens), list(range(-1, len(tokens) - 1)), list(probs or []))
+    def chain(cls, tokens: list[int], probs: list[torch.Tensor | None] | None = None, label: str = "") -> "Draft":
+        return cls(list(tokens), list(range(-1, len(tokens) - 1)), list(probs or []), label)
+
+    def first(self, n: int) -> "Draft":
+        """The first n nodes of a chain (a cheap proposer guesses long, the engine keeps what pays)."""
+        if not self.is_chain:
+            raise ValueError("only a chain can be shortened this way")
+        return Draft.chain(self.tokens[:n], self.probs[:n], self.label)
 
     @property
     def is_chain(self) -> bool:

@@ -38,3 +38,34 @@ def test_packing_a_model_keeps_its_logits():
         unpack_linears(model)
         assert not any(isinstance(m, PackedLinear) for m in model.modules())
         torch.testing.assert_close(model(ids).logits, reference)
+
+
+from localspec_kernels.cpu_int8 import (
+    Int8Linear, int8_linear_reference, int8_supported, quantize_linears_int8, quantize_per_channel,
+)
+
+
+@pytest.mark.skipif(not int8_supported(), reason="this torch build has no int8 weight-only matmul")
+@pytest.mark.parametrize("rows", [1, 2, 5, 16])
+@pytest.mark.parametrize("out_features, in_features, bias", [(64, 32, False), (97, 48, True), (8, 16, True)])
+def test_int8_linear_matches_reference(rows, out_features, in_features, bias):
+    torch.manual_seed(rows)
+    linear = torch.nn.Linear(in_features, out_features, bias=bias).to(torch.bfloat16)
+    layer = Int8Linear(linear)
+    x = torch.randn(1, rows, in_features, dtype=torch.bfloat16)
+    reference = int8_linear_reference(x, layer.qweight, layer.scales.float(), layer.bias)
+    torch.testing.assert_close(layer(x), reference, atol=3e-2, rtol=3e-2)
+    # and the quantization itself stays within half a step of the original weight
+    q, scales = quantize_per_channel(linear.weight)
+    error = (q.float() * scales[:, None] - linear.weight.float()).abs()
+    assert bool((error <= scales[:, None] / 2 + 1e-3).all())
+
+
+@pytest.mark.skipif(not int8_supported(), reason="this torch build has no int8 weight-only matmul")
+def test_int8_model_keeps_odd_layers_in_float_and_stays_close():
+    model = torch.nn.Sequential(torch.nn.Linear(32, 40), torch.nn.ReLU(), torch.nn.Linear(40, 8)).to(torch.bfloat16)
+    x = torch.randn(3, 32, dtype=torch.bfloat16)
+    reference = model(x)
+    assert quantize_linears_int8(model) > 0
+    assert isinstance(model[0], Int8Linear) and isinstance(model[2], torch.nn.Linear)  # 40 % 16 != 0
+    torch.testing.assert_close(model(x), reference, atol=0.1, rtol=0.1)

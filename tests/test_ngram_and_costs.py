@@ -12,16 +12,17 @@ from localspec.proposers.ngram import lookup
 @pytest.mark.parametrize(
     "tokens, max_len, nmin, nmax, expected",
     [
-        ([1, 2, 3, 4, 1, 2], 3, 1, 3, [3, 4, 1]),  # longest suffix [1, 2] matched, continuation follows
-        ([1, 2, 3, 4, 1, 2], 1, 1, 3, [3]),  # capped at max_len
-        ([1, 2, 3, 9, 2, 3, 7, 2, 3], 2, 1, 2, [7, 2]),  # the most recent match wins
-        ([5, 1, 2, 8, 9, 1, 2], 4, 1, 3, [8, 9, 1, 2]),
-        ([1, 2, 3], 4, 1, 3, []),  # nothing repeats
-        ([7, 7, 7], 4, 1, 3, [7]),  # overlapping match: [7, 7] at 0 is followed by one 7
-        ([4, 5, 6, 1, 5, 6], 3, 3, 3, []),  # only 2-gram matches, but min n is 3
-        ([4, 5, 6, 1, 5, 6], 3, 2, 3, [1, 5, 6]),
-        ([3], 4, 1, 2, []),
-        ([1, 2, 1], 0, 1, 2, []),
+        ([1, 2, 3, 4, 1, 2], 3, 1, 3, ([3, 4, 1], 2)),  # longest suffix [1, 2] matched, continuation follows
+        ([1, 2, 3, 4, 1, 2], 1, 1, 3, ([3], 2)),  # capped at max_len
+        ([1, 2, 3, 9, 2, 3, 7, 2, 3], 2, 1, 2, ([7, 2], 2)),  # the most recent match wins
+        ([5, 1, 2, 8, 9, 1, 2], 4, 1, 3, ([8, 9, 1, 2], 2)),
+        ([1, 2, 3], 4, 1, 3, ([], 0)),  # nothing repeats
+        ([7, 7, 7], 4, 1, 3, ([7], 2)),  # overlapping match: [7, 7] at 0 is followed by one 7
+        ([4, 5, 6, 1, 5, 6], 3, 3, 3, ([], 0)),  # only 2-gram matches, but min n is 3
+        ([4, 5, 6, 1, 5, 6], 3, 2, 3, ([1, 5, 6], 2)),
+        ([9, 4, 5, 6, 1, 4, 5, 6], 2, 1, 3, ([1, 4], 3)),  # the 3-token match beats shorter ones
+        ([3], 4, 1, 2, ([], 0)),
+        ([1, 2, 1], 0, 1, 2, ([], 0)),
     ],
 )
 def test_ngram_lookup_table(tokens, max_len, nmin, nmax, expected):

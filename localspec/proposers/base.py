@@ -13,7 +13,9 @@ from localspec.tree import Draft
 class Proposer(ABC):
     name: str = "?"
     has_model: bool = False
-    """True when drafting runs a model (its step cost is calibrated); False for lookups."""
+    """True when drafting runs a model: each drafted token costs a step, so the engine decides the
+    length before proposing. False for lookups: they guess as far as they can for free and the
+    engine keeps the prefix that pays, by the acceptance seen for that kind of guess."""
 
     @abstractmethod
     def propose(

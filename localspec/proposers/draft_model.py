@@ -65,4 +65,4 @@ class DraftModelProposer(Proposer):
             probs.append(q)
             if step + 1 < max_len:
                 logits = self._forward([token])
-        return Draft.chain(drafted, probs)
+        return Draft.chain(drafted, probs, label="draft")

@@ -14,10 +14,11 @@ from localspec.proposers.base import Proposer
 from localspec.tree import Draft
 
 
-def lookup(tokens: list[int], max_len: int, ngram_min: int, ngram_max: int) -> list[int]:
-    """Continuation of the most recent earlier match of the longest matching suffix (<= max_len)."""
+def lookup(tokens: list[int], max_len: int, ngram_min: int, ngram_max: int) -> tuple[list[int], int]:
+    """Continuation (<= max_len tokens) of the most recent earlier match of the longest matching
+    suffix, and that suffix's length n (0 when nothing matched)."""
     if max_len <= 0:
-        return []
+        return [], 0
     seq = np.asarray(tokens, dtype=np.int64)
     total = len(seq)
     for n in range(min(ngram_max, total - 1), ngram_min - 1, -1):
@@ -28,8 +29,8 @@ def lookup(tokens: list[int], max_len: int, ngram_min: int, ngram_max: int) -> l
         starts = starts[starts + n < total]  # the suffix itself has nothing after it
         if len(starts):
             follow = int(starts[-1]) + n
-            return seq[follow: follow + max_len].tolist()
-    return []
+            return seq[follow: follow + max_len].tolist(), n
+    return [], 0
 
 
 class NgramProposer(Proposer):
@@ -42,4 +43,5 @@ class NgramProposer(Proposer):
     def propose(
         self, tokens: list[int], max_len: int, sampling: SamplingConfig, generator: torch.Generator
     ) -> Draft:
-        return Draft.chain(lookup(tokens, max_len, self.ngram_min, self.ngram_max))
+        guess, n = lookup(tokens, max_len, self.ngram_min, self.ngram_max)
+        return Draft.chain(guess, label=f"ngram-{n}")

@@ -1,0 +1,65 @@
+"""Weight-only int8 linear layers for a draft model on the CPU.
+
+A draft step reads every weight once for one token, so its time is the bytes of its weights over
+the memory bandwidth: int8 weights with one scale per output channel halve them against bf16 and
+quarter them against fp32. torch's `_weight_int8pack_mm` de-quantizes inside the matmul.
+Quantizing the draft changes only its guesses, never the output: the target still decides every
+token (its acceptance is what the benchmark reports).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, in) float weight -> int8 weight (out, in) and float scales (out,), symmetric."""
+    scales = weight.float().abs().amax(dim=1).clamp_min(1e-8) / 127.0  # (out,)
+    q = torch.round(weight.float() / scales[:, None]).clamp(-127, 127).to(torch.int8)
+    return q, scales
+
+
+def int8_linear_reference(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The plain torch meaning of Int8Linear: de-quantize, then an ordinary linear."""
+    weight = (q.float() * scales[:, None]).to(x.dtype)
+    return torch.nn.functional.linear(x, weight, bias)
+
+
+def int8_supported() -> bool:
+    return hasattr(torch.ops.aten, "_weight_int8pack_mm")
+
+
+class Int8Linear(torch.nn.Module):
+    """nn.Linear with int8 weights; activations stay in the model's (bf16) dtype."""
+
+    def __init__(self, linear: torch.nn.Linear) -> None:
+        super().__init__()
+        q, scales = quantize_per_channel(linear.weight.detach())
+        self.register_buffer("qweight", q)  # (out, in) int8
+        self.register_buffer("scales", scales.to(linear.weight.dtype))  # (out,)
+        self.bias = None if linear.bias is None else torch.nn.Parameter(linear.bias.detach(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., in) -> (..., out)
+        rows = x.reshape(-1, x.shape[-1])  # (M, in)
+        out = torch.ops.aten._weight_int8pack_mm(rows, self.qweight, self.scales)  # (M, out)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+def int8_shape_ok(linear: torch.nn.Linear) -> bool:
+    # torch 2.13's CPU kernel crashes (segfault) for more than one row when in_features is not a
+    # multiple of 16; real models' widths are multiples of 64, odd layers stay in float.
+    return linear.in_features % 16 == 0
+
+
+def quantize_linears_int8(model: torch.nn.Module) -> int:
+    """Replace every nn.Linear under `model` by an Int8Linear in place; returns the bytes saved."""
+    saved = 0
+    for name, child in list(model.named_children()):
+        if isinstance(child, torch.nn.Linear) and int8_shape_ok(child):
+            setattr(model, name, Int8Linear(child))
+            saved += child.weight.numel() * (child.weight.element_size() - 1)
+        elif not isinstance(child, torch.nn.Linear):
+            saved += quantize_linears_int8(child)
+    return saved

