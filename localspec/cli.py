@@ -138,6 +138,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     else:
         sys.stdout.write("\n")
         if not args.quiet:
+            for notice in stats.notices:
+                print(f"localspec: {notice}", file=sys.stderr)
             print(stats.summary(), file=sys.stderr)
     return 0
 

@@ -155,3 +155,43 @@ def measured_costs(name: str, model: torch.nn.Module, widths: tuple[int, ...] = 
     costs = time_forward(model, widths)
     save_calibration(key, {str(w): s for w, s in costs.items()})
     return costs
+
+
+class SpeedGuard:
+    """The kill switch: when speculative passes measure slower than plain decoding would be (the
+    calibrated one-token pass), speculation pauses for a while, then is tried again.
+
+    The cost model already drafts less as acceptance falls; this catches what it cannot see, such
+    as a draft model slowed by other work on the machine.
+    """
+
+    def __init__(self, plain_seconds: float, window: int = 8, pause: int = 32) -> None:
+        self.plain_rate = 1.0 / plain_seconds
+        self.window = window
+        self.pause = pause
+        self.recent: list[tuple[int, float]] = []  # (tokens committed, seconds) of speculative passes
+        self.paused_for = 0
+
+    @property
+    def allows(self) -> bool:
+        return self.paused_for == 0
+
+    def record(self, drafted: int, tokens: int, seconds: float) -> str:
+        """Account one pass; returns a notice when speculation is switched off, else ''."""
+        if self.paused_for:
+            self.paused_for -= 1
+            return ""
+        if drafted == 0:
+            return ""
+        self.recent = [*self.recent, (tokens, seconds)][-self.window :]
+        if len(self.recent) < self.window:
+            return ""
+        rate = sum(t for t, _ in self.recent) / sum(s for _, s in self.recent)
+        if rate >= self.plain_rate:
+            return ""
+        self.recent = []
+        self.paused_for = self.pause
+        return (
+            f"speculation paused: {rate:.1f} tok/s over the last {self.window} passes, below plain "
+            f"decoding's {self.plain_rate:.1f}; trying again in {self.pause} passes"
+        )

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from localspec.config import GenerationLimits, SamplingConfig, SpecConfig
-from localspec.costs import AcceptanceTracker, CostModel
+from localspec.costs import AcceptanceTracker, CostModel, SpeedGuard
 from localspec.errors import LocalspecError
 from localspec.kv import KVCache
 from localspec.proposers.base import Proposer
@@ -143,6 +143,9 @@ class Engine:
         self.kv = KVCache()
         self.kv_tokens: list[int] = []  # the token ids whose keys/values self.kv holds
         self.acceptance: dict[str, AcceptanceTracker] = defaultdict(AcceptanceTracker)
+        self.max_nodes = 64
+        """Most draft nodes per pass; halved when a wide pass runs out of memory."""
+        self.guard = SpeedGuard(costs.verify(1)) if costs is not None else None
         self.stats = GenerationStats()
 
     @property
@@ -166,6 +169,15 @@ class Engine:
     # -- target passes --------------------------------------------------------------------------
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None, keep: int):
+        """One target forward; if it is cut short (Ctrl-C, out of memory) the cache is put back to
+        exactly the committed tokens, so the next pass or the next prompt starts from a sound state."""
+        try:
+            return self._forward_unguarded(ids, positions, mask, keep)
+        except BaseException:
+            self.kv.truncate(len(self.kv_tokens))
+            raise
+
+    def _forward_unguarded(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None, keep: int):
         out = self.model(
             input_ids=ids.to(self.device),
             position_ids=positions.to(self.device),
@@ -207,35 +219,49 @@ class Engine:
         """This pass's draft (at most room - 1 tokens, so the pass's own token fits too) and the
         label whose acceptance estimate it updates."""
         nothing = Draft.chain([])
-        if self.proposer is None or room <= 1:
+        if self.proposer is None or room <= 1 or (self.guard is not None and not self.guard.allows):
             return nothing, ""
+        limit = min(room - 1, self.max_nodes)
         try:
             if self.proposer.has_model:  # each token costs a draft step: decide the length first
                 label = self.proposer.name
-                n = self._draft_len(label, room - 1)
+                n = self._draft_len(label, limit)
                 return (self.proposer.propose(tokens, n, sampling, generator) if n else nothing), label
             # a lookup guesses as far as it can for free; keep the prefix that pays for its label
-            longest = min(room - 1, self.spec.draft_len or self.spec.max_draft_len)
+            longest = min(limit, self.spec.draft_len or self.spec.max_draft_len)
             guess = self.proposer.propose(tokens, longest, sampling, generator)
-            if guess.is_chain:  # a tree's size is its proposer's choice
-                guess = guess.first(self._draft_len(guess.label, len(guess)))
-            return guess, guess.label
+            # a chain keeps the prefix that pays; a tree's shape is its proposer's choice
+            keep = self._draft_len(guess.label, len(guess)) if guess.is_chain else limit
+            return guess.first(keep), guess.label
         except Exception as exc:  # a broken proposer must not end the stream: go on plainly
-            self.stats.reason += f" (proposer failed: {exc!r}; continuing without it)"
+            self.stats.notices.append(f"proposer failed ({exc!r}); continuing with plain decoding")
             self.proposer = None
             return nothing, ""
 
     def _verify_pass(self, tokens: list[int], draft: Draft, sampling: SamplingConfig, generator):
-        """One target pass over root + draft; returns (accepted node ids, next token)."""
+        """One target pass over root + draft; returns (draft actually verified, verdict).
+
+        A pass that runs out of memory is retried with half the nodes, and later drafts stay that
+        small: the answer goes on, only slower.
+        """
         past = len(self.kv)
-        ids, positions, mask = verify_inputs(draft, tokens[-1], past)
-        logits = self._forward(ids, positions, mask, keep=len(draft) + 1)  # (N+1, V)
+        while True:
+            ids, positions, mask = verify_inputs(draft, tokens[-1], past)
+            try:
+                logits = self._forward(ids, positions, mask, keep=len(draft) + 1)  # (N+1, V)
+                break
+            except (torch.OutOfMemoryError, MemoryError):
+                if len(draft) == 0:
+                    raise
+                self.max_nodes = len(draft) // 2
+                self.stats.notices.append(f"out of memory verifying {len(draft)} drafted tokens; drafting at most {self.max_nodes} from now on")
+                draft = draft.first(self.max_nodes)
         verdict = verify(draft, logits, sampling, generator)
         # keep the root and the accepted path; rejected nodes' entries go
         self.kv.keep(past, [0] + [node + 1 for node in verdict.accepted])
         self.kv_tokens.append(tokens[-1])
         self.kv_tokens.extend(draft.tokens[node] for node in verdict.accepted)
-        return verdict
+        return draft, verdict
 
     # -- the loop -------------------------------------------------------------------------------
 
@@ -277,10 +303,12 @@ class Engine:
             t0 = time.perf_counter()
             draft, label = self._propose(tokens, budget - produced, sampling, generator)
             t1 = time.perf_counter()
-            verdict = self._verify_pass(tokens, draft, sampling, generator)
+            draft, verdict = self._verify_pass(tokens, draft, sampling, generator)
             t2 = time.perf_counter()
             accepted = len(verdict.accepted)
             stats.record_pass(len(draft), accepted, t1 - t0, t2 - t1)
+            if self.guard is not None and (notice := self.guard.record(len(draft), accepted + 1, t2 - t0)):
+                stats.notices.append(notice)
             if self.proposer is not None and self.proposer.has_model:
                 stats.draft_steps += len(draft)
             if label:

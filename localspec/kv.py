@@ -18,12 +18,12 @@ class KVCache:
         return self.cache.get_seq_length()
 
     def truncate(self, length: int) -> None:
-        """Forget every position >= length."""
-        if length >= len(self):
-            return
+        """Forget every position >= length, in every layer: after a pass cut short (Ctrl-C, out
+        of memory) the first layers may hold more positions than the last."""
         for layer in self.cache.layers:
-            layer.keys = layer.keys[..., :length, :]  # (B, H_kv, length, D)
-            layer.values = layer.values[..., :length, :]
+            if getattr(layer, "keys", None) is not None and layer.keys.shape[-2] > length:
+                layer.keys = layer.keys[..., :length, :]  # (B, H_kv, length, D)
+                layer.values = layer.values[..., :length, :]
 
     def keep(self, start: int, offsets: list[int]) -> None:
         """Keep positions start + offsets (ascending) packed right after `start`, drop the rest.

@@ -17,11 +17,13 @@ from localspec.costs import CostModel, WIDTHS, load_calibrations, measured_costs
 from localspec.engine import Engine
 from localspec.errors import LocalspecError
 from localspec.loading import LoadedModel, load_model, pick_device
-from localspec.pairing import situation
+from localspec.pairing import check_tokenizers, situation
 from localspec.proposers import DraftModelProposer, NgramProposer
-from localspec_kernels.cpu_int8 import Int8Linear, int8_supported, quantize_linears_int8
-from localspec_kernels.cpu_linear import PackedLinear, linear_bytes, pack_linears, packing_supported, set_wide_from, unpack_linears
 from localspec.registry import ModelEntry, Registry, choose_proposer, load_registry
+from localspec_kernels.cpu_int8 import Int8Linear, int8_supported, quantize_linears_int8
+from localspec_kernels.cpu_linear import (
+    PackedLinear, linear_bytes, pack_linears, packing_supported, set_wide_from, unpack_linears,
+)
 
 PACKING_MEMORY_MARGIN = 1 << 30
 """Free memory to leave beside the packed weight copies."""
@@ -145,6 +147,10 @@ def load_models(
         torch_dtype, dtype_reason = DTYPE_NAMES[dtype], f"--dtype {dtype}"
     target = load_model(entry, torch_dtype, device=device, progress=not quiet)
     draft = load_draft(draft_entry, torch_dtype, device, spec, quiet) if draft_entry else None
+    if draft is not None:
+        refused = check_tokenizers(entry.name, target.tokenizer, draft_entry.name, draft.tokenizer)
+        if refused:
+            raise LocalspecError(f"{refused}; the draft proposer cannot pair them (try --proposer ngram)")
     return target, draft, dtype_reason
 
 
@@ -192,6 +198,17 @@ def open_session(
     spec = spec or SpecConfig(proposer=proposer)
     proposer, reason, draft_name = choose_proposer(proposer, entry, registry, **situation(registry, entry.name))
     draft_entry = registry.get(draft_name) if draft_name else None
-    target, draft, dtype_reason = load_models(entry, draft_entry, proposer, dtype, spec, quiet)
+    try:
+        target, draft, dtype_reason = load_models(entry, draft_entry, proposer, dtype, spec, quiet)
+    except (MemoryError, torch.OutOfMemoryError, LocalspecError) as exc:
+        memory_short = not isinstance(exc, LocalspecError) or "memory" in str(exc)
+        if draft_entry is None or not memory_short:
+            raise
+        # the draft is what did not fit (the target alone is loaded next): go on with prompt lookup
+        proposer = "ngram"
+        reason = f"the draft {draft_entry.name} did not fit in memory ({exc}); using prompt lookup instead"
+        notice(reason, quiet)
+        draft_entry = None
+        target, draft, dtype_reason = load_models(entry, None, proposer, dtype, spec, quiet)
     engine = make_engine(target, draft, proposer, spec, reason)
     return Session(entry, target, draft, engine, proposer, reason, dtype_reason)

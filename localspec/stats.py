@@ -43,6 +43,8 @@ class GenerationStats:
     plain_token_seconds: float = 0.0
     """Calibrated cost of one plain one-token target pass, for the measured-speedup figure."""
     stop_reason: str = ""
+    notices: list[str] = field(default_factory=list)
+    """Things the user should know about this generation (speculation paused, a fallback, ...)."""
     started: float = field(default_factory=time.perf_counter)
 
     def record_pass(self, drafted: int, accepted: int, draft_seconds: float, verify_seconds: float) -> None:
@@ -129,4 +131,5 @@ class GenerationStats:
             "predicted_speedup": self.predicted_speedup,
             "measured_speedup": self.measured_speedup,
             "stop_reason": self.stop_reason,
+            "notices": self.notices,
         }

@@ -42,10 +42,9 @@ class Draft:
         return cls(list(tokens), list(range(-1, len(tokens) - 1)), list(probs or []), label)
 
     def first(self, n: int) -> "Draft":
-        """The first n nodes of a chain (a cheap proposer guesses long, the engine keeps what pays)."""
-        if not self.is_chain:
-            raise ValueError("only a chain can be shortened this way")
-        return Draft.chain(self.tokens[:n], self.probs[:n], self.label)
+        """The first n nodes: still a valid tree, since parents come before their children (a
+        chain keeps its first n guesses)."""
+        return Draft(self.tokens[:n], self.parents[:n], self.probs[:n], self.label)
 
     @property
     def is_chain(self) -> bool:

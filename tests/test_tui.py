@@ -25,7 +25,8 @@ from localspec.tui.app import LocalspecApp
 from localspec.tui.backend import ChatSettings, SessionBackend
 from localspec.tui.fake import ANSWER, FakeBackend, FakeEngine
 from localspec.tui.history import Conversation, HistoryStore, Message
-from localspec.tui.screens import HelpScreen, SettingsScreen
+from localspec.pairing import Candidate
+from localspec.tui.screens import HelpScreen, SettingsScreen, WizardScreen
 from localspec.tui.widgets import DRAFT_STYLE, MessageView, StatsPanel
 
 pytestmark = pytest.mark.anyio  # async tests run under anyio's pytest plugin (asyncio backend)
@@ -41,8 +42,16 @@ MODEL = "smollm2-135m"  # no registered draft: the proposers offered are ngram a
 SETTINGS = ChatSettings(model=MODEL)
 
 
+def fake_pair(target, say):
+    """Stands in for pairing.pair: reports like it and names a winner, measuring nothing."""
+    say(f"  {target}: none 30.00 tok/s")
+    say(f"  {target}: ngram 41.00 tok/s, acceptance 62%, best draft length 5")
+    return Candidate("ngram", None, tokens_per_second=41.0, acceptance=0.62, draft_len=5)
+
+
 def make_app(tmp_path: Path, delay: float = 0.0, settings: ChatSettings = SETTINGS) -> LocalspecApp:
-    return LocalspecApp(FakeBackend(delay=delay, memory="512 MiB RAM"), settings, HistoryStore(tmp_path / "history"))
+    backend = FakeBackend(delay=delay, memory="512 MiB RAM")
+    return LocalspecApp(backend, settings, HistoryStore(tmp_path / "history"), run_pair=fake_pair)
 
 
 async def settle(pilot) -> None:
@@ -378,6 +387,52 @@ def test_snapshot_help(tmp_path, snap_compare):
         steady(pilot)
 
     assert snap_compare(make_app(tmp_path), terminal_size=(150, 45), run_before=run_before)
+
+
+def _wizard_measured(memory: float = 8e9):
+    async def run_before(pilot):
+        await settle(pilot)
+        await pilot.app.push_screen(WizardScreen(pilot.app.backend.registry, int(memory), fake_pair))
+        await pilot.click("#measure")
+        await settle(pilot)
+
+    return run_before
+
+
+async def test_wizard_measures_and_loads_the_winner(tmp_path):
+    app = make_app(tmp_path)
+    async with app.run_test(size=(150, 45)) as pilot:
+        await settle(pilot)
+        await pilot.press("f8")  # the wizard, sized to this machine's free memory
+        await pilot.pause()
+        await pilot.click("#measure")
+        await settle(pilot)
+        wizard = app.screen
+        assert isinstance(wizard, WizardScreen) and wizard.paired == wizard.targets[0].name
+        log = "\n".join(str(line) for line in wizard.query_one("#wizard-log").lines)
+        assert "ngram 41.00 tok/s" in log and "saved:" in log
+        await pilot.press("escape")
+        await settle(pilot)
+        # closing loads the paired model with the automatic proposer, which prefers the saved pairing
+        assert app.settings.model == wizard.targets[0].name
+
+
+async def test_wizard_shows_errors_without_closing(tmp_path):
+    def broken_pair(target, say):
+        raise RuntimeError("no network")
+
+    app = make_app(tmp_path)
+    async with app.run_test(size=(150, 45)) as pilot:
+        await settle(pilot)
+        await app.push_screen(WizardScreen(app.backend.registry, int(8e9), broken_pair))
+        await pilot.click("#measure")
+        await settle(pilot)
+        assert isinstance(app.screen, WizardScreen) and app.screen.paired is None
+        assert "error: RuntimeError: no network" in "\n".join(str(line) for line in app.screen.query_one("#wizard-log").lines)
+
+
+def test_snapshot_wizard(tmp_path, snap_compare):
+    assert snap_compare(make_app(tmp_path), terminal_size=(150, 45), run_before=_wizard_measured())
 
 
 # -- the real model ------------------------------------------------------------------------------

@@ -10,16 +10,21 @@ from textual.app import App
 from localspec.tui.backend import Backend, ChatSettings, Loaded, available_proposers, error_text
 from localspec.tui.chat import ChatScreen
 from localspec.tui.history import HistoryStore
-from localspec.tui.screens import HelpScreen, LoadingScreen, ModelPicker, SettingsScreen
+from localspec.tui.screens import HelpScreen, LoadingScreen, ModelPicker, SettingsScreen, WizardScreen
 
 
 class LocalspecApp(App):
     CSS_PATH = "localspec.tcss"
     TITLE = "localspec"
 
-    def __init__(self, backend: Backend, settings: ChatSettings, history: HistoryStore | None = None) -> None:
+    def __init__(
+        self, backend: Backend, settings: ChatSettings, history: HistoryStore | None = None, run_pair=None
+    ) -> None:
         super().__init__()
         self.backend = backend
+        if run_pair is None:
+            from localspec.pairing import pair as run_pair
+        self.run_pair = run_pair  # the wizard's measurement; tests pass a fake
         self.settings = settings
         self.history = history or HistoryStore()
         self.loaded: Loaded | None = None
@@ -90,6 +95,23 @@ class LocalspecApp(App):
         if name is not None and name != self.settings.model:
             # a new model gets the automatic proposer: the old choice may not exist for it
             self.apply_settings(replace(self.settings, model=name, spec=replace(self.settings.spec, proposer="auto")))
+
+    def action_pair(self) -> None:
+        if self.chat.generating:
+            self.notify("Stop the answer first (Esc): pairing measures on the same CPU/GPU.", severity="warning")
+            return
+        from localspec import loading, pairing
+
+        memory = pairing.free_memory(loading.pick_device())
+        self.push_screen(WizardScreen(self.backend.registry, memory, self.run_pair), self._wizard_closed)
+
+    def _wizard_closed(self, model: str | None) -> None:
+        if model is not None:
+            # reload the registry so the saved pairing is seen, then let auto pick the winner
+            from localspec.registry import load_registry
+
+            self.backend.registry = load_registry()
+            self.apply_settings(replace(self.settings, model=model, spec=replace(self.settings.spec, proposer="auto")))
 
     def on_unmount(self) -> None:
         self.chat.stop_event.set()  # let a streaming worker end after its current pass

@@ -31,6 +31,7 @@ class ChatScreen(Screen):
         Binding("f3", "app.pick_model", "Model"),
         Binding("f4", "toggle_panel('#stats')", "Stats"),
         Binding("f5", "toggle_panel('#conversations')", "Chats"),
+        Binding("f8", "app.pair", "Pair"),
         Binding("ctrl+q", "app.quit", "Quit"),
     ]
 

@@ -1,20 +1,22 @@
-"""Modal screens: settings, model picker, help, and the loading screen."""
+"""Modal screens: settings, model picker, help, loading, and the pairing wizard."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import replace
 
 from rich.table import Table
-from textual import on
+from textual import on, work
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import ModalScreen
-from textual.widgets import Button, Input, Label, LoadingIndicator, OptionList, Select, Static, TextArea
+from textual.widgets import Button, Input, Label, LoadingIndicator, OptionList, RichLog, Select, Static, TextArea
 
 from localspec.errors import LocalspecError
-from localspec.tui.backend import ChatSettings
+from localspec.pairing import fitting_targets
+from localspec.tui.backend import ChatSettings, error_text
 
 
 def _number(text: str, kind, name: str):
@@ -155,3 +157,70 @@ class LoadingScreen(ModalScreen[None]):
     def redraw(self) -> None:
         seconds = time.monotonic() - self.started
         self.query_one("#stage", Static).update(f"{self.stage}  [dim]{seconds:.0f} s[/]")
+
+
+class WizardScreen(ModalScreen[str | None]):
+    """`localspec pair` as a screen: pick a target that fits, measure every proposer for it, save
+    the winner. Dismisses with the paired model's name (None when nothing was paired)."""
+
+    BINDINGS = [Binding("escape", "close", "Close")]
+
+    def __init__(self, registry, memory: int, run_pair: Callable[..., object]) -> None:
+        super().__init__()
+        self.registry = registry
+        self.memory = memory
+        self.run_pair = run_pair  # pairing.pair, or a fake in tests
+        self.targets = fitting_targets(registry, memory)
+        self.paired: str | None = None
+        self.running = False
+
+    def compose(self) -> ComposeResult:
+        with Vertical(id="dialog"):
+            yield Label("Pair a model with its fastest proposer", classes="title")
+            yield Static(f"{self.memory / 1e9:.1f} GB free for a model. Targets that fit:")
+            targets = OptionList(
+                *(f"{e.name}  [dim]{e.params:.2f}B, {e.size / 1e9:.1f} GB[/]" for e in self.targets), id="targets"
+            )
+            targets.highlighted = 0 if self.targets else None
+            yield targets
+            yield RichLog(id="wizard-log", wrap=True, markup=False)
+            with Horizontal(classes="buttons"):
+                yield Button("Measure", id="measure", variant="primary")
+                yield Button("Close", id="close")
+
+    @on(Button.Pressed, "#measure")
+    def measure(self) -> None:
+        targets = self.query_one("#targets", OptionList)
+        if self.running or targets.highlighted is None:
+            return
+        self.running = True
+        self.query_one("#measure", Button).disabled = True
+        name = self.targets[targets.highlighted].name
+        self.query_one("#wizard-log", RichLog).write(f"measuring {name}: downloads, then every proposer...")
+        self.pair_worker(name)
+
+    @work(thread=True, exclusive=True, group="pair")
+    def pair_worker(self, name: str) -> None:
+        log = self.query_one("#wizard-log", RichLog)
+        try:
+            best = self.run_pair(name, say=lambda line: self.app.call_from_thread(log.write, line))
+        except Exception as exc:  # shown in the log; the chat and its engine are untouched
+            self.app.call_from_thread(log.write, f"error: {error_text(exc)}")
+            self.app.call_from_thread(self.finished, None)
+        else:
+            self.app.call_from_thread(self.finished, name, best)
+
+    def finished(self, name: str | None, best=None) -> None:
+        self.running = False
+        self.query_one("#measure", Button).disabled = False
+        if name is not None:
+            self.paired = name
+            self.query_one("#wizard-log", RichLog).write(
+                f"saved: {name} will use {best.proposer}{' with ' + best.draft if best.draft else ''}. "
+                "Close to load it."
+            )
+
+    @on(Button.Pressed, "#close")
+    def action_close(self) -> None:
+        if not self.running:  # a measurement holds the CPU/GPU: let it finish first
+            self.dismiss(self.paired)
