@@ -122,19 +122,19 @@ def run_bench(args, spec: SpecConfig) -> int:
     engines = {name: make_engine(target, draft, name, spec, choose_proposer(name, entry)[1]) for name in wanted}
     encoded = [engines["none"].encode(p["prompt"]) for p in prompts]
     eos = engines["none"].eos
-    for mode in modes:
-        # warm-up, excluded: first-call allocations and lazy initialisation
-        if mode in engines:
-            run_localspec(engines[mode], prompts[0]["prompt"], 8)
-        else:
-            run_hf(mode, target, draft, encoded[0], 8, eos)
-        for prompt, ids in zip(prompts, encoded):
-            if mode in engines:
-                engines[mode].kv.truncate(0)  # no prefix reuse between prompts: each run from scratch
-                engines[mode].kv_tokens.clear()
-                r = run_localspec(engines[mode], prompt["prompt"], args.max_new_tokens)
-            else:
-                r = run_hf(mode, target, draft, ids, args.max_new_tokens, eos)
+    def run(mode: str, prompt: str, ids: list[int], max_new: int) -> dict:
+        if mode not in engines:
+            return run_hf(mode, target, draft, ids, max_new, eos)
+        engines[mode].kv.truncate(0)  # no prefix reuse between prompts: each run from scratch
+        engines[mode].kv_tokens.clear()
+        return run_localspec(engines[mode], prompt, max_new)
+
+    for mode in modes:  # warm-up, excluded: first-call allocations and lazy initialisation
+        run(mode, prompts[0]["prompt"], encoded[0], 8)
+    # modes take turns on each prompt, so a slow stretch of the machine hits them all alike
+    for prompt, ids in zip(prompts, encoded):
+        for mode in modes:
+            r = run(mode, prompt["prompt"], ids, args.max_new_tokens)
             r["prompt"] = prompt["name"]
             r["peak_memory_mb"] = peak_memory_mb(target.device)
             results[mode].append(r)

@@ -17,7 +17,7 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="registry name (default: the registry's default model)")
     p.add_argument("--dtype", default="auto", choices=DTYPES, help="compute dtype (auto: measured on this machine)")
     p.add_argument("--draft-len", type=int, default=None, help="fixed draft length (default: adaptive, from measured costs)")
-    p.add_argument("--max-draft-len", type=int, default=12, help="upper bound for the adaptive draft length")
+    p.add_argument("--max-draft-len", type=int, default=15, help="upper bound for the adaptive draft length")
     p.add_argument("--draft-quant", default="auto", choices=DRAFT_QUANTS, help="int8 draft weights (auto: when measured faster)")
     p.add_argument("--ngram-min", type=int, default=1, help="shortest suffix prompt lookup matches")
     p.add_argument("--ngram-max", type=int, default=4, help="longest suffix prompt lookup tries first")

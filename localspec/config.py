@@ -46,7 +46,7 @@ class SpecConfig:
     """auto | ngram | draft | none."""
     draft_len: int | None = None
     """Fixed number of drafted tokens per pass; None lets the measured cost model choose each pass."""
-    max_draft_len: int = 12
+    max_draft_len: int = 15
     """Upper bound for the adaptive policy (verify widths are calibrated up to this + 1)."""
     ngram_min: int = 1
     """Shortest suffix the n-gram proposer will match."""

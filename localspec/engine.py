@@ -215,6 +215,33 @@ class Engine:
             wanted = min(4, self.spec.max_draft_len)
         return max(0, min(wanted, limit))
 
+    def _confidence_tracker(self, confidence: float) -> AcceptanceTracker:
+        """How often guesses of about this confidence are accepted (ten bins, learned as we go;
+        each bin starts from its own confidence as the prior)."""
+        b = min(int(confidence * 10), 9)
+        label = f"confidence-{b}"
+        if label not in self.acceptance:
+            self.acceptance[label] = AcceptanceTracker(prior=(b + 0.5) / 10)
+        return self.acceptance[label]
+
+    def _worth_another(self, confidences: list[float]) -> bool:
+        """Whether keeping the newest guess raises the expected tokens per second of this pass,
+        with each guess's acceptance estimated from the bin of its confidence."""
+        k = len(confidences)
+        expected = [1.0]  # tokens this pass yields on average with 0, 1, ..., k guesses
+        survive = 1.0
+        for c in confidences:
+            survive *= self._confidence_tracker(c).rate
+            expected.append(expected[-1] + survive)
+        step = self.costs.draft_step_seconds
+        without = expected[k - 1] / ((k - 1) * step + self.costs.verify(k))
+        with_it = expected[k] / (k * step + self.costs.verify(k + 1))
+        if with_it > without:
+            return True
+        # a refused guess is never judged: let its bin drift back to its prior, so it is tried again
+        self._confidence_tracker(confidences[-1]).update(0, 0)
+        return False
+
     def _propose(self, tokens: list[int], room: int, sampling: SamplingConfig, generator) -> tuple[Draft, str]:
         """This pass's draft (at most room - 1 tokens, so the pass's own token fits too) and the
         label whose acceptance estimate it updates."""
@@ -223,10 +250,12 @@ class Engine:
             return nothing, ""
         limit = min(room - 1, self.max_nodes)
         try:
-            if self.proposer.has_model:  # each token costs a draft step: decide the length first
-                label = self.proposer.name
-                n = self._draft_len(label, limit)
-                return (self.proposer.propose(tokens, n, sampling, generator) if n else nothing), label
+            if self.proposer.has_model:  # each guess costs a draft step: stop when the next is not worth it
+                if self.spec.draft_len is not None:
+                    return self.proposer.propose(tokens, min(self.spec.draft_len, limit), sampling, generator), ""
+                longest = min(limit, self.spec.max_draft_len)
+                worth = self._worth_another if self.costs is not None else None
+                return self.proposer.propose(tokens, longest, sampling, generator, worth), ""
             # a lookup guesses as far as it can for free; keep the prefix that pays for its label
             longest = min(limit, self.spec.draft_len or self.spec.max_draft_len)
             guess = self.proposer.propose(tokens, longest, sampling, generator)
@@ -313,6 +342,9 @@ class Engine:
                 stats.draft_steps += len(draft)
             if label:
                 self.acceptance[label].update(len(draft), accepted)
+            # per guess: accepted ones succeeded, the first rejected one failed, later ones were never judged
+            for i, confidence in enumerate(draft.confidences[: accepted + 1]):
+                self._confidence_tracker(confidence).update(1, 1 if i < accepted else 0)
 
             new = [(draft.tokens[n], True) for n in verdict.accepted] + [(verdict.next_token, False)]
             event = TokenEvent()

@@ -25,6 +25,9 @@ class Draft:
     label: str = ""
     """Which kind of guess this is (e.g. "ngram-3": a 3-token match); the engine keeps a separate
     acceptance estimate per label, because a long match is far more reliable than a short one."""
+    confidences: list[float] = field(default_factory=list)
+    """Per node, the proposer's own probability for its guess (model proposers; empty otherwise):
+    the engine learns how often guesses of each confidence are accepted."""
 
     def __post_init__(self) -> None:
         if len(self.tokens) != len(self.parents):
@@ -38,13 +41,16 @@ class Draft:
         return len(self.tokens)
 
     @classmethod
-    def chain(cls, tokens: list[int], probs: list[torch.Tensor | None] | None = None, label: str = "") -> "Draft":
-        return cls(list(tokens), list(range(-1, len(tokens) - 1)), list(probs or []), label)
+    def chain(
+        cls, tokens: list[int], probs: list[torch.Tensor | None] | None = None, label: str = "",
+        confidences: list[float] | None = None,
+    ) -> "Draft":
+        return cls(list(tokens), list(range(-1, len(tokens) - 1)), list(probs or []), label, list(confidences or []))
 
     def first(self, n: int) -> "Draft":
         """The first n nodes: still a valid tree, since parents come before their children (a
         chain keeps its first n guesses)."""
-        return Draft(self.tokens[:n], self.parents[:n], self.probs[:n], self.label)
+        return Draft(self.tokens[:n], self.parents[:n], self.probs[:n], self.label, self.confidences[:n])
 
     @property
     def is_chain(self) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 
 import torch
 
@@ -19,9 +20,14 @@ class Proposer(ABC):
 
     @abstractmethod
     def propose(
-        self, tokens: list[int], max_len: int, sampling: SamplingConfig, generator: torch.Generator
+        self, tokens: list[int], max_len: int, sampling: SamplingConfig, generator: torch.Generator,
+        worth: Callable[[list[float]], bool] | None = None,
     ) -> Draft:
         """Guess up to max_len tokens that follow `tokens` (every committed token so far).
+
+        A model proposer calls `worth(confidences)` with its confidence in each guess so far (the
+        newest last) before keeping the newest; False ends the draft there, so an unsure draft
+        stops early instead of paying for guesses the target will likely reject.
 
         Proposers keep whatever state they like (a KV cache, an index) and resynchronise it with
         `tokens` themselves, so the engine never has to tell them what was accepted.

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from localspec.config import SamplingConfig
@@ -44,7 +46,8 @@ class DraftModelProposer(Proposer):
 
     @torch.inference_mode()
     def propose(
-        self, tokens: list[int], max_len: int, sampling: SamplingConfig, generator: torch.Generator
+        self, tokens: list[int], max_len: int, sampling: SamplingConfig, generator: torch.Generator,
+        worth: Callable[[list[float]], bool] | None = None,
     ) -> Draft:
         if max_len <= 0:
             return Draft.chain([])
@@ -55,14 +58,20 @@ class DraftModelProposer(Proposer):
         logits = self._forward(tokens[keep:])
         drafted: list[int] = []
         probs: list[torch.Tensor | None] = []
+        confidences: list[float] = []
         for step in range(max_len):
-            if sampling.greedy:
-                token, q = int(logits.argmax()), None
+            q = probs_from_logits(logits, sampling).cpu() if not sampling.greedy else None  # (V,)
+            if q is None:
+                token = int(logits.argmax())
+                confidence = float(logits.float().softmax(-1)[token])
             else:
-                q = probs_from_logits(logits, sampling).cpu()  # (V,)
                 token = sample(q, generator)
+                confidence = float(q[token])
+            if worth is not None and not worth([*confidences, confidence]):
+                break
             drafted.append(token)
             probs.append(q)
+            confidences.append(confidence)
             if step + 1 < max_len:
                 logits = self._forward([token])
-        return Draft.chain(drafted, probs, label="draft")
+        return Draft.chain(drafted, probs, label="draft", confidences=confidences)
