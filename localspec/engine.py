@@ -216,12 +216,16 @@ class Engine:
         return max(0, min(wanted, limit))
 
     def _confidence_tracker(self, confidence: float) -> AcceptanceTracker:
-        """How often guesses of about this confidence are accepted (ten bins, learned as we go;
-        each bin starts from its own confidence as the prior)."""
+        """How often guesses of about this confidence are accepted (ten bins, learned as we go).
+
+        A sibling draft is accepted more often than its own confidence says (the two models share
+        their doubts), so each bin starts halfway between its confidence and certainty, and the
+        measurements take over from there.
+        """
         b = min(int(confidence * 10), 9)
         label = f"confidence-{b}"
         if label not in self.acceptance:
-            self.acceptance[label] = AcceptanceTracker(prior=(b + 0.5) / 10)
+            self.acceptance[label] = AcceptanceTracker(prior=(1 + (b + 0.5) / 10) / 2)
         return self.acceptance[label]
 
     def _worth_another(self, confidences: list[float]) -> bool:

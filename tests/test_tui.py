@@ -116,6 +116,30 @@ def test_each_batch_is_on_disk_before_it_is_shown_and_stop_keeps_the_text(tmp_pa
     assert answer.stats["stop_reason"] == "stopped"
 
 
+def test_disk_full_while_saving_history_keeps_the_answer_going_and_the_old_file_intact(tmp_path, monkeypatch):
+    from localspec.tui import history
+
+    monkeypatch.setattr(streaming, "BATCH_SECONDS", 0.0)
+    store = HistoryStore(tmp_path)
+    conv = Conversation(messages=[Message("user", "hi"), Message("assistant", partial=True)])
+    store.save(conv)
+    before = store.path(conv.id).read_text()
+    real_dump = history.json.dump
+
+    def full_disk(obj, out, **kw):
+        real_dump(obj, out, **kw)  # part of the file is written, then the disk is full
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(history.json, "dump", full_disk)
+    batches = []
+    engine = FakeEngine("ngram", "r", draft_len=None, delay=0)
+    streaming.stream_answer(engine, conv, SETTINGS, store, threading.Event(), batches.append)
+    assert "".join(p.text for b in batches for p in b.pieces) == ANSWER  # the whole answer still streamed
+    assert batches[-1].done and "No space left" in batches[-1].notice
+    assert store.path(conv.id).read_text() == before  # the last good file is intact
+    assert list(tmp_path.glob("*.tmp")) == []  # no partial files left behind
+
+
 # -- Pilot ---------------------------------------------------------------------------------------
 
 

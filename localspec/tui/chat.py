@@ -121,6 +121,8 @@ class ChatScreen(Screen):
         view = self.answer_view
         await view.append("".join(p.text for p in batch.pieces))
         self.query_one(StatsPanel).show(batch.stats, batch.tokens_per_pass)
+        if batch.notice:
+            self.notify(batch.notice, title="history", severity="warning", timeout=10)
         if batch.done:
             await view.finish()
             self.answer_view = None

@@ -75,9 +75,13 @@ class HistoryStore:
         # slow every batch, and what it adds (surviving a power cut) is not promised here.
         self.root.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=self.root, prefix=f".{conversation.id}.", suffix=".tmp")
-        with os.fdopen(fd, "w", encoding="utf-8") as out:
-            json.dump(asdict(conversation), out, ensure_ascii=False, indent=1)
-        os.replace(tmp, self.path(conversation.id))
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as out:
+                json.dump(asdict(conversation), out, ensure_ascii=False, indent=1)
+            os.replace(tmp, self.path(conversation.id))
+        except BaseException:  # disk full, Ctrl-C: no half-written file left, the previous one intact
+            Path(tmp).unlink(missing_ok=True)
+            raise
 
     def load(self, conversation_id: str) -> Conversation:
         return Conversation.from_dict(json.loads(self.path(conversation_id).read_text(encoding="utf-8")))

@@ -29,6 +29,8 @@ class Batch:
     """Tokens committed by each target pass since the last batch (for the sparkline)."""
     done: bool = False
     error: str = ""
+    notice: str = ""
+    """A problem the answer goes on through (history could not be saved)."""
 
 
 def stream_answer(
@@ -48,7 +50,10 @@ def stream_answer(
     def flush(done: bool = False, error: str = "") -> None:
         nonlocal batch, last_flush
         batch.stats, batch.done, batch.error = copy.deepcopy(engine.stats), done, error
-        store.save(conversation)  # before the UI sees it: what was shown is on disk
+        try:
+            store.save(conversation)  # before the UI sees it: what was shown is on disk
+        except OSError as exc:  # e.g. disk full: the answer goes on, the previous file stays intact
+            batch.notice = f"history not saved: {exc}"
         deliver(batch)
         batch, last_flush = Batch(), time.monotonic()
 
