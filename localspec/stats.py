@@ -7,7 +7,6 @@ it. Speedup formula (Leviathan et al. 2023): with acceptance a, draft length g a
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 
@@ -45,7 +44,6 @@ class GenerationStats:
     stop_reason: str = ""
     notices: list[str] = field(default_factory=list)
     """Things the user should know about this generation (speculation paused, a fallback, ...)."""
-    started: float = field(default_factory=time.perf_counter)
 
     def record_pass(self, drafted: int, accepted: int, draft_seconds: float, verify_seconds: float) -> None:
         self.passes += 1
