@@ -125,8 +125,7 @@ def run_bench(args, spec: SpecConfig) -> int:
     def run(mode: str, prompt: str, ids: list[int], max_new: int) -> dict:
         if mode not in engines:
             return run_hf(mode, target, draft, ids, max_new, eos)
-        engines[mode].kv.truncate(0)  # no prefix reuse between prompts: each run from scratch
-        engines[mode].kv_tokens.clear()
+        engines[mode].forget()  # no prefix reuse between prompts: each run from scratch
         return run_localspec(engines[mode], prompt, max_new)
 
     for mode in modes:  # warm-up, excluded: first-call allocations and lazy initialisation

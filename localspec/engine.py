@@ -152,6 +152,11 @@ class Engine:
     def proposer_name(self) -> str:
         return self.proposer.name if self.proposer else "none"
 
+    def forget(self) -> None:
+        """Drop the cached conversation: the next prompt is prefilled from scratch (benchmarks)."""
+        self.kv.truncate(0)
+        self.kv_tokens.clear()
+
     # -- prompt ---------------------------------------------------------------------------------
 
     def encode(self, prompt: str | list[dict], system: str | None = None) -> list[int]:

@@ -308,8 +308,7 @@ def _measure(engine, model: str, proposer: str, draft: ModelEntry | None, prompt
     run_localspec(engine, prompts[0]["prompt"], 8)  # warm-up, excluded
     tokens = seconds = drafted = accepted = 0
     for prompt in prompts:
-        engine.kv.truncate(0)  # each prompt from scratch, as in the benchmark
-        engine.kv_tokens.clear()
+        engine.forget()  # each prompt from scratch, as in the benchmark
         run_localspec(engine, prompt["prompt"], max_new)
         stats = engine.stats
         record_generation(model, proposer, stats, draft_name)
