@@ -170,13 +170,13 @@ def load_draft(entry: ModelEntry, dtype: torch.dtype, device: torch.device, spec
     with auto, when its measured step is faster. Only the guesses change, never the output."""
     if spec.draft_quant == "int8" and (device.type != "cpu" or not int8_supported()):
         raise LocalspecError("--draft-quant int8 needs the CPU and a torch with int8 weight-only matmul")
-    plain = load_model(entry, dtype, device=device, progress=not quiet)
     if spec.draft_quant == "none" or device.type != "cpu" or not int8_supported():
-        return plain
+        return load_model(entry, dtype, device=device, progress=not quiet)
     quantized = load_model(entry, torch.bfloat16, device=device, progress=not quiet)
     quantize_linears_int8(quantized.model)
     if spec.draft_quant == "int8":
-        return quantized
+        return quantized  # asked for: the float copy is not needed, not even to compare
+    plain = load_model(entry, dtype, device=device, progress=not quiet)
     plain_step, quantized_step = (measured_costs(d.name, d.model, (1,))[1] for d in (plain, quantized))
     return quantized if quantized_step < plain_step else plain
 
