@@ -32,18 +32,39 @@ def int8_supported() -> bool:
 class Int8Linear(torch.nn.Module):
     """nn.Linear with int8 weights; activations stay in the model's (bf16) dtype."""
 
-    def __init__(self, linear: torch.nn.Linear) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype = torch.bfloat16,
+                 device: torch.device | str | None = None) -> None:
         super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.register_buffer("qweight", torch.zeros(out_features, in_features, dtype=torch.int8, device=device))  # (out, in)
+        self.register_buffer("scales", torch.zeros(out_features, dtype=dtype, device=device))  # (out,)
+        self.bias = torch.nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device), requires_grad=False) if bias else None
+
+    @classmethod
+    def from_linear(cls, linear: torch.nn.Linear, dtype: torch.dtype | None = None) -> "Int8Linear":
+        dtype = dtype or linear.weight.dtype
+        module = cls(linear.in_features, linear.out_features, linear.bias is not None, dtype, linear.weight.device)
         q, scales = quantize_per_channel(linear.weight.detach())
-        self.register_buffer("qweight", q)  # (out, in) int8
-        self.register_buffer("scales", scales.to(linear.weight.dtype))  # (out,)
-        self.bias = None if linear.bias is None else torch.nn.Parameter(linear.bias.detach(), requires_grad=False)
+        module.qweight.copy_(q)
+        module.scales.copy_(scales.to(dtype))
+        if linear.bias is not None:
+            module.bias.data.copy_(linear.bias.detach().to(dtype))
+        return module
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}"
+
+    def align(self) -> None:
+        """The CPU kernel reads with aligned vector loads (it crashes on a weight at an odd offset,
+        as tensors read from one file buffer can be): give such a weight its own memory."""
+        if self.qweight.data_ptr() % 64:
+            self.qweight = self.qweight.clone()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., in) -> (..., out)
         rows = x.reshape(-1, x.shape[-1])  # (M, in)
-        out = torch.ops.aten._weight_int8pack_mm(rows, self.qweight, self.scales)  # (M, out)
+        out = torch.ops.aten._weight_int8pack_mm(rows, self.qweight, self.scales.to(rows.dtype))  # (M, out)
         if self.bias is not None:
-            out = out + self.bias
+            out = out + self.bias.to(out.dtype)
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
@@ -53,13 +74,13 @@ def int8_shape_ok(linear: torch.nn.Linear) -> bool:
     return linear.in_features % 16 == 0
 
 
-def quantize_linears_int8(model: torch.nn.Module) -> int:
+def quantize_linears_int8(model: torch.nn.Module, dtype: torch.dtype | None = None) -> int:
     """Replace every nn.Linear under `model` by an Int8Linear in place; returns the bytes saved."""
     saved = 0
     for name, child in list(model.named_children()):
         if isinstance(child, torch.nn.Linear) and int8_shape_ok(child):
-            setattr(model, name, Int8Linear(child))
+            setattr(model, name, Int8Linear.from_linear(child, dtype))
             saved += child.weight.numel() * (child.weight.element_size() - 1)
         elif not isinstance(child, torch.nn.Linear):
-            saved += quantize_linears_int8(child)
+            saved += quantize_linears_int8(child, dtype)
     return saved

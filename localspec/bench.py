@@ -12,6 +12,7 @@ import platform
 import resource
 import sys
 import time
+from dataclasses import replace
 from importlib import resources
 from pathlib import Path
 
@@ -104,17 +105,46 @@ def run_bench(args, spec: SpecConfig) -> int:
         raise LocalspecError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
     wanted = [p.strip() for p in args.proposers.split(",") if p.strip()]
     for name in wanted:
-        if name not in ("none", "ngram", "draft"):
-            raise LocalspecError(f"--proposers: unknown proposer {name!r} (none, ngram, draft)")
+        if name not in ("none", "ngram", "draft", "eagle"):
+            raise LocalspecError(f"--proposers: unknown proposer {name!r} (none, ngram, draft, eagle)")
     if "draft" in wanted and not entry.drafts:
         print(f"localspec: {entry.name} has no registered draft; skipping the draft proposer", file=sys.stderr)
         wanted.remove("draft")
     if "none" not in wanted:
         wanted.insert(0, "none")  # the baseline every speedup is measured against
+    quants = [q.strip() for q in spec.quant.split(",") if q.strip()] or ["auto"]
+    specs = [replace(spec, quant=q) for q in quants]  # validates each format
+    results: dict[str, list[dict]] = {}
+    weights: dict[str, dict] = {}
+    for one in specs:
+        # one weight format at a time: its models are freed before the next one loads
+        label = "" if len(specs) == 1 else f"@{one.quant}"
+        measured, weights[one.quant] = bench_weights(args, entry, registry, prompts, wanted, one, label)
+        results.update(measured)
+    baseline = {r["prompt"]: r for r in results[f"none{'' if len(specs) == 1 else '@' + specs[0].quant}"]}
+    for mode, runs in results.items():
+        for r in runs:
+            r["speedup_vs_first_none"] = r["tokens_per_second"] / baseline[r["prompt"]]["tokens_per_second"]
+    first = weights[specs[0].quant]
+    report = {
+        "model": entry.name, **first, "weights_by_quant": weights, "max_new_tokens": args.max_new_tokens,
+        "draft_len": args.draft_len or "adaptive", "machine": machine_info(),
+        "prompts": [{"name": p["name"], "kind": p["kind"]} for p in prompts], "results": results,
+    }
+    print_table(report)
+    out = Path(args.out) if args.out else Path("bench-results") / f"bench-{entry.name}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1))
+    print(f"localspec: wrote {out}", file=sys.stderr)
+    return 0
+
+
+def bench_weights(args, entry, registry, prompts, wanted, spec: SpecConfig, label: str) -> tuple[dict, dict]:
+    """Every mode on one weight format; results keyed by mode + label, and how the weights ran."""
     draft_entry = draft_entry_for(registry, entry) if "draft" in wanted else None
     dtype_for = "draft" if draft_entry else "ngram"
     target, draft, dtype_reason = load_models(entry, draft_entry, dtype_for, args.dtype, spec, quiet=False)
-    print(f"localspec: bench {entry.name}, dtype {target.dtype} ({dtype_reason}), "
+    print(f"localspec: bench {entry.name}, {describe_weights(target)} ({dtype_reason}), "
           f"{len(prompts)} prompts x {args.max_new_tokens} tokens", file=sys.stderr)
 
     modes = list(wanted) + ([] if args.no_hf else [m for m in HF_MODES if m != "hf-assisted" or draft])
@@ -122,6 +152,7 @@ def run_bench(args, spec: SpecConfig) -> int:
     engines = {name: make_engine(target, draft, name, spec, choose_proposer(name, entry)[1]) for name in wanted}
     encoded = [engines["none"].encode(p["prompt"]) for p in prompts]
     eos = engines["none"].eos
+
     def run(mode: str, prompt: str, ids: list[int], max_new: int) -> dict:
         if mode not in engines:
             return run_hf(mode, target, draft, ids, max_new, eos)
@@ -137,10 +168,10 @@ def run_bench(args, spec: SpecConfig) -> int:
             r["prompt"] = prompt["name"]
             r["peak_memory_mb"] = peak_memory_mb(target.device)
             results[mode].append(r)
-            print(f"  {mode:17} {prompt['name']:12} {r['tokens_per_second']:6.2f} tok/s", file=sys.stderr, flush=True)
+            print(f"  {mode + label:22} {prompt['name']:12} {r['tokens_per_second']:6.2f} tok/s", file=sys.stderr, flush=True)
 
     baseline = {r["prompt"]: r for r in results["none"]}
-    for mode, runs in results.items():
+    for runs in results.values():
         for r in runs:
             base = baseline[r["prompt"]]
             r["speedup_vs_none"] = r["tokens_per_second"] / base["tokens_per_second"]
@@ -148,19 +179,12 @@ def run_bench(args, spec: SpecConfig) -> int:
     for runs in results.values():
         for r in runs:
             del r["output_ids"]
-    report = {
-        "model": entry.name, "dtype": str(target.dtype).removeprefix("torch."), "dtype_reason": dtype_reason,
-        "target_weights": describe_weights(target), "draft_model": draft.name if draft else None,
-        "draft_weights": describe_weights(draft) if draft else None, "max_new_tokens": args.max_new_tokens,
-        "draft_len": args.draft_len or "adaptive", "machine": machine_info(),
-        "prompts": [{"name": p["name"], "kind": p["kind"]} for p in prompts], "results": results,
+    how = {
+        "dtype": str(target.dtype).removeprefix("torch."), "dtype_reason": dtype_reason,
+        "target_weights": describe_weights(target), "load_seconds": round(target.load_seconds, 2),
+        "draft_model": draft.name if draft else None, "draft_weights": describe_weights(draft) if draft else None,
     }
-    print_table(report)
-    out = Path(args.out) if args.out else Path("bench-results") / f"bench-{entry.name}-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1))
-    print(f"localspec: wrote {out}", file=sys.stderr)
-    return 0
+    return {mode + label: runs for mode, runs in results.items()}, how
 
 
 def print_table(report: dict) -> None:

@@ -9,7 +9,7 @@ import argparse
 import json
 import sys
 
-from localspec.config import DRAFT_QUANTS, DTYPES, PROPOSERS, GenerationLimits, SamplingConfig, SpecConfig
+from localspec.config import DRAFT_QUANTS, DTYPES, PROPOSERS, QUANTS, GenerationLimits, SamplingConfig, SpecConfig
 from localspec.errors import LocalspecError
 
 
@@ -18,7 +18,10 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=DTYPES, help="compute dtype (auto: measured on this machine)")
     p.add_argument("--draft-len", type=int, default=None, help="fixed draft length (default: adaptive, from measured costs)")
     p.add_argument("--max-draft-len", type=int, default=15, help="upper bound for the adaptive draft length")
-    p.add_argument("--draft-quant", default="auto", choices=DRAFT_QUANTS, help="int8 draft weights (auto: when measured faster)")
+    p.add_argument("--quant", default="auto", metavar="|".join(QUANTS),
+                   help="target weights (auto: 4-bit when the published model is 4-bit, else only to fit memory); "
+                   "bench takes a comma list to compare them side by side")
+    p.add_argument("--draft-quant", default="auto", choices=DRAFT_QUANTS, help="draft weights (auto: the fastest measured step)")
     p.add_argument("--ngram-min", type=int, default=1, help="shortest suffix prompt lookup matches")
     p.add_argument("--ngram-max", type=int, default=4, help="longest suffix prompt lookup tries first")
 
@@ -82,6 +85,7 @@ def spec_from(args: argparse.Namespace, proposer: str) -> SpecConfig:
     return SpecConfig(
         proposer=proposer, draft_len=args.draft_len, max_draft_len=args.max_draft_len,
         ngram_min=args.ngram_min, ngram_max=args.ngram_max, draft_quant=args.draft_quant,
+        quant=getattr(args, "quant", "auto"),
     )
 
 

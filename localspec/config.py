@@ -13,7 +13,8 @@ from localspec.errors import LocalspecError
 
 PROPOSERS = ("auto", "ngram", "draft", "none")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-DRAFT_QUANTS = ("auto", "none", "int8")
+QUANTS = ("auto", "none", "int8", "int4", "nf4")
+DRAFT_QUANTS = ("auto", "none", "int8", "int4")
 
 
 @dataclass(frozen=True)
@@ -53,7 +54,11 @@ class SpecConfig:
     ngram_max: int = 4
     """Longest suffix the n-gram proposer tries first."""
     draft_quant: str = "auto"
-    """auto | none | int8: int8 weights for the draft model (CPU), auto when measured faster."""
+    """auto | none | int8 | int4: the draft model's weights; auto picks the fastest measured step.
+    Only the guesses change, never the output."""
+    quant: str = "auto"
+    """auto | none | int8 | int4 | nf4: the target's weights. Output is exact relative to the
+    target as loaded; auto keeps a 4-bit published model 4-bit, else quantizes only to fit memory."""
 
     def __post_init__(self) -> None:
         if self.proposer not in PROPOSERS:
@@ -64,6 +69,8 @@ class SpecConfig:
             raise LocalspecError(f"max draft length must be between 1 and 64, got {self.max_draft_len}")
         if self.draft_quant not in DRAFT_QUANTS:
             raise LocalspecError(f"--draft-quant must be one of {', '.join(DRAFT_QUANTS)}, got {self.draft_quant!r}")
+        if any(q.strip() not in QUANTS for q in self.quant.split(",")):
+            raise LocalspecError(f"--quant must be one of {', '.join(QUANTS)} (bench: a comma list), got {self.quant!r}")
         if not (1 <= self.ngram_min <= self.ngram_max):
             raise LocalspecError(
                 f"n-gram sizes need 1 <= min <= max, got min={self.ngram_min} max={self.ngram_max}"

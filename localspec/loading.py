@@ -12,6 +12,8 @@ Layout under home_dir():
     models/<name>/<file>.sha256               written only after the GGUF was verified
     converted/<name>-<sha12>/<dtype>/         model.safetensors, config.json, tokenizer files,
                                               and `complete`, written last
+    converted/<name>-<sha12>/<quant>/         the same for a quantized copy (int4-g32, int8)
+                                              plus quant_layout.json; read memory-mapped
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import contextlib
 import copy
 import gc
 import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -33,6 +36,7 @@ from typing import TYPE_CHECKING, Iterator, Sequence
 
 import torch
 
+from localspec import quant as quantization
 from localspec.config import home_dir
 from localspec.errors import LocalspecError
 from localspec.registry import MirrorSource, ModelEntry
@@ -43,6 +47,7 @@ if TYPE_CHECKING:
 _CHUNK = 1 << 20
 _COMPLETE = "complete"
 _WEIGHTS = "model.safetensors"
+_QUANT_LAYOUT = "quant_layout.json"
 # A short, fixed text whose logits must survive the conversion bit for bit.
 _PROBE_TEXT = "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n"
 
@@ -58,6 +63,8 @@ class LoadedModel:
     load_seconds: float
     cold: bool
     """True when this load had to convert from GGUF (a dtype cast from the float32 cache is not cold)."""
+    quant: str = "none"
+    """Weight format: none (dtype as loaded), int8, int4 or nf4 (activations then bf16)."""
     verify_costs: dict[int, float] | None = None
     """Seconds of a target pass per width on the verify path in place (set by session)."""
 
@@ -320,18 +327,26 @@ def load_model(
     entry: ModelEntry,
     dtype: torch.dtype,
     *,
+    quant: str = "none",
     device: torch.device | None = None,
     progress: bool = True,
     pip_args: Sequence[str] = (),
 ) -> LoadedModel:
     """Load a registry model for inference: its hub download if pulled, else the mirror's GGUF
-    through the converted cache (converting it on first use)."""
+    through the converted cache (converting it on first use). With `quant` the weights are
+    int4/int8/nf4 and activations bf16 (`dtype` is then ignored)."""
     start = time.perf_counter()
     device = device if device is not None else pick_device()
+    quantization.check_supported(quant, device)
     snapshot = hub_snapshot(entry)
     cold = False
+    on_gpu_bnb = quant == "nf4" or (quant == "int8" and device.type == "cuda")
+    if quant != "none":
+        dtype = quantization.COMPUTE_DTYPE
     with _transformers_quiet(progress):
-        if snapshot is not None:
+        if quant != "none" and not on_gpu_bnb:
+            model, tokenizer, cold = _load_quantized(entry, quant, snapshot, progress, pip_args)
+        elif snapshot is not None:
             model, tokenizer = _load_snapshot(entry, snapshot, dtype)
         else:
             target = _cache_dir(entry, dtype)
@@ -344,6 +359,8 @@ def load_model(
             model, tokenizer = loaded
 
     model.to(device)
+    if on_gpu_bnb:
+        quantization.quantize_model(model, quant, device)
     model.eval()
     model.requires_grad_(False)
     generation = getattr(model, "generation_config", None)
@@ -361,7 +378,106 @@ def load_model(
         context_len=int(model.config.max_position_embeddings),
         load_seconds=time.perf_counter() - start,
         cold=cold,
+        quant=quant,
     )
+
+
+# --- quantized copies ------------------------------------------------------------------------
+
+
+def _quant_dir(entry: ModelEntry, quant: str) -> Path:
+    name = f"{quant}-g{quantization.GROUP_SIZE}" if quant == "int4" else quant
+    if entry.mirror is not None:
+        return _cache_dir(entry, torch.float32).parent / name
+    return home_dir() / "converted" / f"{entry.name}-{entry.revision[:12]}" / name
+
+
+def _load_quantized(entry: ModelEntry, quant: str, snapshot: Path | None, progress: bool, pip_args: Sequence[str]):
+    """(model, tokenizer, cold) from the quantized cache, quantizing the float32 weights on first use.
+
+    The cache is read back even right after writing it, so the first run computes with exactly
+    the weights every later run loads.
+    """
+    path = _quant_dir(entry, quant)
+    cold = False
+    loaded = _load_quant_cache(entry, path, progress)
+    if loaded is None:
+        if snapshot is not None:
+            model, tokenizer = _load_snapshot(entry, snapshot, torch.float32)
+        else:
+            source = _cache_dir(entry, torch.float32)
+            if (found := _load_cache(entry, source, torch.float32, progress)) is None:
+                cold = _build_cache(entry, torch.float32, progress, pip_args)
+                found = _load_cache(entry, source, torch.float32, progress)
+            if found is None:
+                raise LocalspecError(f"the converted copy of {entry.name!r} in {source} is unreadable")
+            model, tokenizer = found
+        if progress:
+            print(f"quantizing {entry.name} to {quant} (first load only)...", file=sys.stderr, flush=True)
+        layout = quantization.quantize_model(model, quant, torch.device("cpu"))
+        model.to(quantization.COMPUTE_DTYPE)  # what is left in float: norms, embedding, biases
+        with _staging(path) as tmp:
+            _write_cache(model, tokenizer, tmp)
+            write_text_atomic(tmp / _QUANT_LAYOUT, json.dumps(layout, indent=1) + "\n")
+        del model
+        gc.collect()
+        loaded = _load_quant_cache(entry, path, progress)
+        if loaded is None:
+            raise LocalspecError(f"the quantized copy of {entry.name!r} in {path} is unreadable")
+    return (*loaded, cold)
+
+
+def _load_quant_cache(entry: ModelEntry, path: Path, progress: bool):
+    """(model, tokenizer) from a finished quantized cache; None if missing (removed if unreadable).
+
+    The model is built on the meta device (no memory, no random init), the quantized modules are
+    put in place, and the tensors are adopted straight from the memory-mapped file.
+    """
+    if not (path / _COMPLETE).is_file():
+        return None
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    try:
+        layout = json.loads((path / _QUANT_LAYOUT).read_text(encoding="utf-8"))
+        config = AutoConfig.from_pretrained(path)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, dtype=quantization.COMPUTE_DTYPE)
+        quantization.install_shells(model, layout)
+        state = load_file(str(path / _WEIGHTS))
+        if getattr(config, "tie_word_embeddings", False) and "lm_head.weight" not in state and "lm_head" not in layout:
+            state["lm_head.weight"] = state["model.embed_tokens.weight"]
+        model.load_state_dict(state, strict=True, assign=True)
+        _materialize_buffers(model)
+        quantization.prepare_for_cpu(model, path / _cpu_layout_name())
+        if (path / "generation_config.json").is_file():
+            model.generation_config = GenerationConfig.from_pretrained(path)
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        return model, tokenizer
+    except Exception as exc:
+        if progress:
+            print(f"the quantized copy of {entry.name} in {path} is unreadable ({first_line(exc)}); "
+                  "quantizing it again", file=sys.stderr)
+        shutil.rmtree(path, ignore_errors=True)
+        return None
+
+
+def _cpu_layout_name() -> str:
+    """The CPU kernels' own weight layout depends on the torch build that made it."""
+    return f"cpu-layout-torch{torch.__version__.replace('+', '-')}.pt"
+
+
+def _materialize_buffers(model: torch.nn.Module) -> None:
+    """Buffers that are computed, not stored (rotary frequencies), are rebuilt off the meta device."""
+    for name, module in list(model.named_modules()):
+        if any(b.is_meta for b in module.buffers(recurse=False)):
+            if "rotary" not in type(module).__name__.lower():
+                raise ValueError(f"{name} has buffers that are neither stored nor computable")
+            parent_name, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(parent_name) if parent_name else model, attr, type(module)(config=model.config))
+    missing = [n for n, t in model.state_dict().items() if t.is_meta]
+    if missing:
+        raise ValueError(f"tensors missing from the cache: {missing[:3]}")
 
 
 def _load_cache(entry: ModelEntry, path: Path, dtype: torch.dtype, progress: bool):

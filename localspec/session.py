@@ -16,11 +16,11 @@ from localspec.config import SpecConfig
 from localspec.costs import CostModel, WIDTHS, load_calibrations, measured_costs, save_calibration
 from localspec.engine import Engine
 from localspec.errors import LocalspecError
-from localspec.loading import LoadedModel, load_model, pick_device
+from localspec.loading import LoadedModel, hub_snapshot, load_model, pick_device
 from localspec.pairing import check_tokenizers, situation
 from localspec.proposers import DraftModelProposer, NgramProposer
 from localspec.registry import ModelEntry, Registry, choose_proposer, load_registry
-from localspec_kernels.cpu_int8 import Int8Linear, int8_supported, quantize_linears_int8
+from localspec import quant as quantization
 from localspec_kernels.cpu_linear import (
     PackedLinear, linear_bytes, pack_linears, packing_supported, set_wide_from, unpack_linears,
 )
@@ -134,18 +134,41 @@ def make_engine(target: LoadedModel, draft: LoadedModel | None, proposer: str, s
     )
 
 
+def choose_quant(entry: ModelEntry, wanted: str, device: torch.device) -> tuple[str, str]:
+    """The target's weight format and why: as asked, else 4-bit when the published weights are
+    4-bit anyway (re-packing Q4 GGUF in groups of 32 keeps them), else the least quantization that
+    fits in memory."""
+    if wanted != "auto":
+        return wanted, f"--quant {wanted}"
+    source = (entry.mirror.file if entry.mirror and hub_snapshot(entry) is None else "").lower()
+    four_bit = any(tag in source for tag in ("q4_", "q4.", "-q4", "iq4"))
+    if four_bit and device.type != "cuda":
+        return "int4", "the published weights are 4-bit (GGUF Q4), int4 keeps them and reads a quarter of bf16's bytes"
+    free = torch.cuda.mem_get_info()[0] if device.type == "cuda" else psutil.virtual_memory().available
+    bf16_bytes = 2 * entry.params * 1e9
+    if bf16_bytes * 1.2 < free:
+        return "none", "16-bit weights fit in memory"
+    if bf16_bytes * 0.6 < free:
+        return "int8", f"16-bit weights ({bf16_bytes / 1e9:.1f} GB) do not fit in {free / 1e9:.1f} GB free"
+    return ("nf4" if device.type == "cuda" else "int4"), f"even 8-bit weights do not fit in {free / 1e9:.1f} GB free"
+
+
 def load_models(
     entry: ModelEntry, draft_entry: ModelEntry | None, proposer: str, dtype: str, spec: SpecConfig, quiet: bool
 ) -> tuple[LoadedModel, LoadedModel | None, str]:
-    """Target (and draft) at the requested or measured dtype; returns them and why that dtype."""
+    """Target (and draft) at the requested or measured dtype and weight format; returns them and
+    why that dtype / format."""
     if dtype not in ("auto", *DTYPE_NAMES):
         raise LocalspecError(f"--dtype must be auto, float32, bfloat16 or float16, got {dtype!r}")
     device = pick_device()
-    if dtype == "auto":
+    quant, quant_reason = choose_quant(entry, spec.quant, device)
+    if quant != "none":
+        torch_dtype, dtype_reason = quantization.COMPUTE_DTYPE, f"{quant} weights, bfloat16 activations ({quant_reason})"
+    elif dtype == "auto":
         torch_dtype, dtype_reason = choose_dtype(entry, draft_entry, proposer, spec, device, quiet)
     else:
         torch_dtype, dtype_reason = DTYPE_NAMES[dtype], f"--dtype {dtype}"
-    target = load_model(entry, torch_dtype, device=device, progress=not quiet)
+    target = load_model(entry, torch_dtype, quant=quant, device=device, progress=not quiet)
     draft = load_draft(draft_entry, torch_dtype, device, spec, quiet) if draft_entry else None
     if draft is not None:
         refused = check_tokenizers(entry.name, target.tokenizer, draft_entry.name, draft.tokenizer)
@@ -156,29 +179,36 @@ def load_models(
 
 def describe_weights(loaded: LoadedModel) -> str:
     """How a loaded model computes, for reports: dtype plus any fast path swapped in."""
-    kinds = {type(m) for m in loaded.model.modules()}
     parts = [str(loaded.dtype).removeprefix("torch.")]
-    if Int8Linear in kinds:
-        parts.append("int8 weights")
-    if PackedLinear in kinds:
+    if weights := quantization.describe(loaded.model):
+        parts.append(weights)
+    if any(isinstance(m, PackedLinear) for m in loaded.model.modules()):
         parts.append("prepacked weights for wide passes")
     return ", ".join(parts)
 
 
 def load_draft(entry: ModelEntry, dtype: torch.dtype, device: torch.device, spec: SpecConfig, quiet: bool) -> LoadedModel:
-    """The draft at the target's dtype, or with int8 weights (bf16 activations) when asked for or,
-    with auto, when its measured step is faster. Only the guesses change, never the output."""
-    if spec.draft_quant == "int8" and (device.type != "cpu" or not int8_supported()):
-        raise LocalspecError("--draft-quant int8 needs the CPU and a torch with int8 weight-only matmul")
-    if spec.draft_quant == "none" or device.type != "cpu" or not int8_supported():
-        return load_model(entry, dtype, device=device, progress=not quiet)
-    quantized = load_model(entry, torch.bfloat16, device=device, progress=not quiet)
-    quantize_linears_int8(quantized.model)
-    if spec.draft_quant == "int8":
-        return quantized  # asked for: the float copy is not needed, not even to compare
-    plain = load_model(entry, dtype, device=device, progress=not quiet)
-    plain_step, quantized_step = (measured_costs(d.name, d.model, (1,))[1] for d in (plain, quantized))
-    return quantized if quantized_step < plain_step else plain
+    """The draft as asked (--draft-quant), or with auto the format whose measured step is fastest
+    on this machine (decided once, then remembered). Only the guesses change, never the output."""
+    if spec.draft_quant != "auto":
+        quant = spec.draft_quant
+    elif device.type != "cpu":
+        quant = "none"
+    else:
+        key = f"draft-quant|{entry.name}|{dtype}|threads={torch.get_num_threads()}|torch={torch.__version__}"
+        quant = (load_calibrations().get(key) or {}).get("quant")
+        if quant is None:
+            steps = {}
+            for candidate in ("none", "int8", "int4"):
+                try:
+                    loaded = load_model(entry, dtype, quant=candidate, device=device, progress=not quiet)
+                except LocalspecError:
+                    continue  # a format this build cannot run
+                steps[candidate] = measured_costs(loaded.name, loaded.model, (1,))[1]
+                del loaded
+            quant = min(steps, key=steps.get)
+            save_calibration(key, {"quant": quant, "step_seconds": steps})
+    return load_model(entry, dtype, quant=quant, device=device, progress=not quiet)
 
 
 def draft_entry_for(registry: Registry, entry: ModelEntry) -> ModelEntry:

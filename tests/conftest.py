@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import os
+
+# Triton picks interpreter or GPU when it is first imported (transformers imports it): the kernel
+# tests run under the interpreter unless a GPU run asks otherwise with TRITON_INTERPRET=0.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 VOCAB = 96
+PROMPT_IDS = [5, 6, 7, 8, 9, 10, 11, 12, 5, 6, 7, 8, 40, 41, 42, 5, 6, 7]
+"""A prompt with repeats, so prompt lookup finds matches."""
 
 
 def tiny_model(arch: str = "llama", seed: int = 0, vocab: int = VOCAB, layers: int = 2, hidden: int = 48):

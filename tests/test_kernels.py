@@ -51,7 +51,7 @@ from localspec_kernels.cpu_int8 import (
 def test_int8_linear_matches_reference(rows, out_features, in_features, bias):
     torch.manual_seed(rows)
     linear = torch.nn.Linear(in_features, out_features, bias=bias).to(torch.bfloat16)
-    layer = Int8Linear(linear)
+    layer = Int8Linear.from_linear(linear)
     x = torch.randn(1, rows, in_features, dtype=torch.bfloat16)
     reference = int8_linear_reference(x, layer.qweight, layer.scales.float(), layer.bias)
     torch.testing.assert_close(layer(x), reference, atol=3e-2, rtol=3e-2)

@@ -16,12 +16,7 @@ import sys
 import pytest
 import torch
 
-INTERPRET = os.environ.setdefault("TRITON_INTERPRET", "1") == "1"
-# Interpreter or GPU is fixed when triton's modules (and ours) are imported, and conftest's
-# transformers import has usually loaded triton already, as for a GPU: import them anew.
-for name in list(sys.modules):
-    if (name.split(".")[0] == "triton" and not name.startswith("triton._C")) or name.startswith("localspec_kernels.triton_"):
-        del sys.modules[name]
+INTERPRET = os.environ.setdefault("TRITON_INTERPRET", "1") == "1"  # conftest sets it before triton loads
 triton = pytest.importorskip("triton")
 if not INTERPRET and not torch.cuda.is_available():
     pytest.skip("TRITON_INTERPRET=0 needs a CUDA GPU", allow_module_level=True)

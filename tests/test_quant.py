@@ -1,0 +1,119 @@
+"""Quantized targets: the CPU int4 path against its reference, exactness relative to the quantized
+target for every proposer, the on-disk quantized cache, and the automatic format choice."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import PROMPT_IDS, hf_greedy, tiny_model
+from localspec import quant as quantization
+from localspec.config import GenerationLimits, SpecConfig
+from localspec.engine import Engine
+from localspec.errors import LocalspecError
+from localspec.proposers import DraftModelProposer, NgramProposer
+from localspec_kernels.cpu_int8 import Int8Linear
+from localspec_kernels.int4_format import int4_matmul_reference, quantize_int4
+from localspec_kernels.int4_linear import Int4Linear, cpu_int4_supported
+
+needs_int4 = pytest.mark.skipif(not cpu_int4_supported(), reason="this torch build has no CPU int4 matmul")
+
+
+@needs_int4
+@pytest.mark.parametrize("rows", [1, 3, 16])
+@pytest.mark.parametrize("out_features, in_features, group", [(33, 64, 32), (96, 128, 32), (257, 96, 32), (40, 128, 64)])
+def test_cpu_int4_linear_matches_reference(rows, out_features, in_features, group):
+    torch.manual_seed(rows + out_features)
+    linear = torch.nn.Linear(in_features, out_features, bias=True)
+    layer = Int4Linear.from_linear(linear, group)
+    x = torch.randn(rows, in_features, dtype=torch.bfloat16)
+    reference = int4_matmul_reference(x, layer.packed, layer.scales, layer.mins, group).float() + layer.bias.float()
+    got = layer(x).float()
+    # bf16 activations and bf16 scale/zero in the kernel: a few bf16 steps of the output's size
+    bound = 3e-2 * reference.abs().max() + 1e-2
+    assert (got - reference).abs().max() <= bound
+    # the cached CPU layout, adopted by a fresh module, computes the same
+    other = Int4Linear(in_features, out_features, True, group)
+    other.load_state_dict(layer.state_dict())
+    other.adopt_cpu_layout(layer.cpu_layout())
+    assert torch.equal(other(x), layer(x))
+
+
+def test_int4_quantization_error_is_at_most_half_a_step():
+    w = torch.randn(48, 96) * torch.linspace(0.1, 3, 96)
+    packed, scales, mins = quantize_int4(w, 32)
+    layer = Int4Linear(96, 48, False, 32)
+    layer.packed.copy_(packed), layer.scales.copy_(scales), layer.mins.copy_(mins)
+    error = (layer.dequantized() - w).abs().reshape(48, 3, 32)
+    assert bool((error <= scales[..., None] / 2 + 1e-6).all())
+
+
+def quantized_tiny(quant: str, seed: int = 0):
+    model = tiny_model("llama", seed=seed, hidden=64)
+    quantization.quantize_model(model, quant, torch.device("cpu"))
+    return model.to(quantization.COMPUTE_DTYPE)
+
+
+@pytest.mark.parametrize("quant", [pytest.param("int4", marks=needs_int4), "int8"])
+def test_greedy_on_a_quantized_target_is_that_targets_own_greedy_output(quant):
+    target = quantized_tiny(quant)
+    kinds = {type(m) for m in target.modules()}
+    assert (Int4Linear if quant == "int4" else Int8Linear) in kinds
+    expected = hf_greedy(target, PROMPT_IDS, 40)
+    drafts = [None, NgramProposer(), DraftModelProposer(target), DraftModelProposer(quantized_tiny(quant, seed=1))]
+    for proposer in drafts:
+        for draft_len in (2, 5):
+            engine = Engine(target, None, proposer, SpecConfig(draft_len=draft_len))
+            out = [p.token_id for ev in engine.generate(PROMPT_IDS, limits=GenerationLimits(40)) for p in ev.pieces]
+            assert out == expected, (proposer, draft_len)
+
+
+def test_unsupported_formats_fail_in_one_line():
+    with pytest.raises(LocalspecError, match="nf4 needs bitsandbytes on a CUDA GPU"):
+        quantization.check_supported("nf4", torch.device("cpu"))
+    with pytest.raises(LocalspecError, match="--quant must be one of"):
+        SpecConfig(quant="int3")
+
+
+def test_auto_format_keeps_a_4bit_source_4bit_and_otherwise_fits_memory(monkeypatch):
+    from localspec import session
+    from localspec.registry import load_registry
+
+    registry = load_registry()
+    cpu = torch.device("cpu")
+    assert session.choose_quant(registry.get("qwen2.5-coder-1.5b"), "auto", cpu)[0] == "int4"  # Q4_K_M mirror
+    assert session.choose_quant(registry.get("qwen2.5-coder-1.5b"), "none", cpu) == ("none", "--quant none")
+    big = next(e for e in registry.models.values() if e.mirror is None and e.params >= 7)
+
+    class Memory:
+        def __init__(self, available):
+            self.available = available
+
+    for free, expected in [(64e9, "none"), (12e9, "int8"), (6e9, "int4")]:
+        monkeypatch.setattr(session.psutil, "virtual_memory", lambda free=free: Memory(free))
+        assert session.choose_quant(big, "auto", cpu)[0] == expected, free
+
+
+@pytest.mark.real_model
+@needs_int4
+def test_quantized_cache_reloads_the_same_model_and_survives_corruption(tmp_path, monkeypatch):
+    import localspec.loading as loading
+    from localspec.registry import load_registry
+
+    entry = load_registry().get("smollm2-135m")
+    first = loading.load_model(entry, torch.float32, quant="int4", progress=False)
+    ids = torch.tensor([[1, 504, 2177, 42, 7, 99]])
+    with torch.no_grad():
+        expected = first.model(ids).logits
+    assert first.dtype == torch.bfloat16 and first.quant == "int4"
+    folder = loading._quant_dir(entry, "int4")
+    assert (folder / "complete").is_file() and (folder / "quant_layout.json").is_file()
+    assert list(folder.glob("cpu-layout-*.pt")), "the CPU kernel layout is cached beside the weights"
+    again = loading.load_model(entry, torch.float32, quant="int4", progress=False)
+    with torch.no_grad():
+        assert torch.equal(again.model(ids).logits, expected)
+    # a damaged copy is thrown away and rebuilt, never loaded half-way
+    (folder / "model.safetensors").write_bytes(b"garbage")
+    rebuilt = loading.load_model(entry, torch.float32, quant="int4", progress=False)
+    with torch.no_grad():
+        assert torch.equal(rebuilt.model(ids).logits, expected)
