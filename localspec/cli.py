@@ -22,6 +22,9 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
                    help="target weights (auto: 4-bit when the published model is 4-bit, else only to fit memory); "
                    "bench takes a comma list to compare them side by side")
     p.add_argument("--draft-quant", default="auto", choices=DRAFT_QUANTS, help="draft weights (auto: the fastest measured step)")
+    p.add_argument("--tree-top-k", type=int, default=8, help="EAGLE: children per expanded node")
+    p.add_argument("--tree-nodes", type=int, default=None, help="EAGLE: fixed tree size (default: from measured costs)")
+    p.add_argument("--tree-depth", type=int, default=None, help="EAGLE: fixed depth (default: while a level pays)")
     p.add_argument("--ngram-min", type=int, default=1, help="shortest suffix prompt lookup matches")
     p.add_argument("--ngram-max", type=int, default=4, help="longest suffix prompt lookup tries first")
 
@@ -72,6 +75,20 @@ def build_parser() -> argparse.ArgumentParser:
     pair.add_argument("--dtype", default="auto", choices=DTYPES)
     pair.add_argument("--offline", action="store_true", help="use the offline mirror only")
 
+    train = sub.add_parser("train-eagle", help="train an EAGLE head for a target on this machine (resumable)")
+    train.add_argument("--target", default=None, help="registry name (default: the registry's default model)")
+    train.add_argument("--out", default=None, help="output folder (default: where --proposer eagle/auto look for it)")
+    train.add_argument("--data", action="append", default=None, help="text/code file or folder (repeatable; default: the Python standard library)")
+    train.add_argument("--self-distill", type=int, default=0, metavar="N", help="also train on the target's own answers to N prompts")
+    train.add_argument("--eagle1", action="store_true", help="EAGLE-1 layout (final hidden state, target's lm_head) instead of EAGLE-3")
+    train.add_argument("--max-tokens", type=int, default=60_000, help="training tokens taken from the files")
+    train.add_argument("--epochs", type=int, default=4)
+    train.add_argument("--draft-vocab", type=int, default=8192, help="EAGLE-3 draft vocabulary size")
+    train.add_argument("--ttt-steps", type=int, default=3, help="unrolled training-time-test steps")
+    train.add_argument("--lr", type=float, default=1e-3)
+    train.add_argument("--quant", default="auto", metavar="|".join(QUANTS), help="target weights, as it will run")
+    train.add_argument("--dtype", default="auto", choices=DTYPES)
+
     chat = sub.add_parser("chat", help="terminal chat with live speculation statistics (also: bare `localspec`)")
     _add_model_options(chat)
     chat.add_argument("--proposer", default="auto", choices=PROPOSERS)
@@ -85,7 +102,8 @@ def spec_from(args: argparse.Namespace, proposer: str) -> SpecConfig:
     return SpecConfig(
         proposer=proposer, draft_len=args.draft_len, max_draft_len=args.max_draft_len,
         ngram_min=args.ngram_min, ngram_max=args.ngram_max, draft_quant=args.draft_quant,
-        quant=getattr(args, "quant", "auto"),
+        quant=getattr(args, "quant", "auto"), tree_top_k=args.tree_top_k, tree_nodes=args.tree_nodes,
+        tree_depth=args.tree_depth,
     )
 
 
@@ -206,6 +224,30 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return run_bench(args, spec_from(args, "auto"))
 
 
+def cmd_train_eagle(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from localspec.config import eagle_head_dir
+    from localspec.registry import load_registry
+    from localspec.session import load_models
+    from localspec.train_eagle import TrainSettings, train_eagle
+
+    settings = TrainSettings(
+        version=1 if args.eagle1 else 3, max_tokens=args.max_tokens, self_distill=args.self_distill,
+        draft_vocab=args.draft_vocab, epochs=args.epochs, ttt_steps=args.ttt_steps, lr=args.lr,
+    )
+    if settings.epochs < 1 or settings.ttt_steps < 1 or settings.max_tokens < 0 or settings.self_distill < 0:
+        raise LocalspecError("--epochs and --ttt-steps must be at least 1; --max-tokens and --self-distill at least 0")
+    entry = load_registry().get(args.target)
+    target, _, how = load_models(entry, None, "eagle", args.dtype, SpecConfig(quant=args.quant), quiet=False)
+    out = Path(args.out) if args.out else eagle_head_dir(entry.name)
+    print(f"localspec: training an EAGLE-{settings.version} head for {entry.name} ({how}) into {out}", file=sys.stderr)
+    data = [Path(p) for p in args.data] if args.data else None
+    summary = train_eagle(target, out, data, settings)
+    print(json.dumps(summary, indent=1))
+    return 0
+
+
 def cmd_chat(args: argparse.Namespace) -> int:
     from localspec.tui import ChatSettings, run_chat
 
@@ -223,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv or ["chat"])  # bare `localspec` opens the chat
     try:
         return {"run": cmd_run, "models": cmd_models, "bench": cmd_bench, "chat": cmd_chat,
-                "pull": cmd_pull, "rm": cmd_rm, "pair": cmd_pair}[args.command](args)
+                "pull": cmd_pull, "rm": cmd_rm, "pair": cmd_pair, "train-eagle": cmd_train_eagle}[args.command](args)
     except LocalspecError as exc:
         print(f"localspec: error: {exc}", file=sys.stderr)
         return 2

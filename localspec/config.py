@@ -11,7 +11,7 @@ from pathlib import Path
 
 from localspec.errors import LocalspecError
 
-PROPOSERS = ("auto", "ngram", "draft", "none")
+PROPOSERS = ("auto", "eagle", "ngram", "draft", "none")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTS = ("auto", "none", "int8", "int4", "nf4")
 DRAFT_QUANTS = ("auto", "none", "int8", "int4")
@@ -44,7 +44,7 @@ class SamplingConfig:
 @dataclass(frozen=True)
 class SpecConfig:
     proposer: str = "auto"
-    """auto | ngram | draft | none."""
+    """auto | eagle | ngram | draft | none."""
     draft_len: int | None = None
     """Fixed number of drafted tokens per pass; None lets the measured cost model choose each pass."""
     max_draft_len: int = 15
@@ -56,6 +56,12 @@ class SpecConfig:
     draft_quant: str = "auto"
     """auto | none | int8 | int4: the draft model's weights; auto picks the fastest measured step.
     Only the guesses change, never the output."""
+    tree_top_k: int = 8
+    """EAGLE: children kept per expanded node and nodes expanded per level."""
+    tree_nodes: int | None = None
+    """EAGLE: fixed tree size; None sizes each tree from the measured verify cost per width."""
+    tree_depth: int | None = None
+    """EAGLE: fixed depth; None drafts a level only while it pays for its head step."""
     quant: str = "auto"
     """auto | none | int8 | int4 | nf4: the target's weights. Output is exact relative to the
     target as loaded; auto keeps a 4-bit published model 4-bit, else quantizes only to fit memory."""
@@ -69,6 +75,12 @@ class SpecConfig:
             raise LocalspecError(f"max draft length must be between 1 and 64, got {self.max_draft_len}")
         if self.draft_quant not in DRAFT_QUANTS:
             raise LocalspecError(f"--draft-quant must be one of {', '.join(DRAFT_QUANTS)}, got {self.draft_quant!r}")
+        if not (1 <= self.tree_top_k <= 64):
+            raise LocalspecError(f"--tree-top-k must be between 1 and 64, got {self.tree_top_k}")
+        if self.tree_nodes is not None and not (1 <= self.tree_nodes <= 256):
+            raise LocalspecError(f"--tree-nodes must be between 1 and 256, got {self.tree_nodes}")
+        if self.tree_depth is not None and not (1 <= self.tree_depth <= 32):
+            raise LocalspecError(f"--tree-depth must be between 1 and 32, got {self.tree_depth}")
         if any(q.strip() not in QUANTS for q in self.quant.split(",")):
             raise LocalspecError(f"--quant must be one of {', '.join(QUANTS)} (bench: a comma list), got {self.quant!r}")
         if not (1 <= self.ngram_min <= self.ngram_max):
@@ -89,6 +101,16 @@ class GenerationLimits:
             raise LocalspecError(f"--max-new-tokens must be at least 1, got {self.max_new_tokens}")
         if any(s == "" for s in self.stop):
             raise LocalspecError("a stop string must not be empty")
+
+
+def eagle_head_dir(model: str) -> Path:
+    """Where `localspec train-eagle` puts the head it trains for `model` (and where auto looks)."""
+    return home_dir() / "heads" / model
+
+
+def has_eagle_head(model: str) -> bool:
+    folder = eagle_head_dir(model)
+    return (folder / "config.json").is_file() and any((folder / f).is_file() for f in ("model.safetensors", "pytorch_model.bin"))
 
 
 def home_dir() -> Path:

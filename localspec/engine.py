@@ -208,6 +208,7 @@ class Engine:
             positions = torch.arange(start, start + len(chunk))[None]
             self._forward(ids, positions, None, keep=1)
             self.kv_tokens.extend(chunk)
+            self._observe(start, None)
 
     def _draft_len(self, label: str, limit: int) -> int:
         """Tokens worth drafting for this kind of guess: fixed, or the best expected rate under the
@@ -259,6 +260,8 @@ class Engine:
             return nothing, ""
         limit = min(room - 1, self.max_nodes)
         try:
+            if self.proposer.builds_trees:  # sized by the proposer from the same measured costs
+                return self.proposer.propose(tokens, limit, sampling, generator), ""
             if self.proposer.has_model:  # each guess costs a draft step: stop when the next is not worth it
                 if self.spec.draft_len is not None:
                     return self.proposer.propose(tokens, min(self.spec.draft_len, limit), sampling, generator), ""
@@ -273,8 +276,19 @@ class Engine:
             return guess.first(keep), guess.label
         except Exception as exc:  # a broken proposer must not end the stream: go on plainly
             self.stats.notices.append(f"proposer failed ({exc!r}); continuing with plain decoding")
+            self.proposer.close()
             self.proposer = None
             return nothing, ""
+
+    def _observe(self, start: int, kept: list[int] | None) -> None:
+        if self.proposer is None:
+            return
+        try:
+            self.proposer.observe(start, kept)
+        except Exception as exc:  # as in _propose: the answer goes on without the proposer
+            self.stats.notices.append(f"proposer failed ({exc!r}); continuing with plain decoding")
+            self.proposer.close()
+            self.proposer = None
 
     def _verify_pass(self, tokens: list[int], draft: Draft, sampling: SamplingConfig, generator):
         """One target pass over root + draft; returns (draft actually verified, verdict).
@@ -296,7 +310,9 @@ class Engine:
                 draft = draft.first(self.max_nodes)
         verdict = verify(draft, logits, sampling, generator)
         # keep the root and the accepted path; rejected nodes' entries go
-        self.kv.keep(past, [0] + [node + 1 for node in verdict.accepted])
+        kept = [0] + [node + 1 for node in verdict.accepted]
+        self.kv.keep(past, kept)
+        self._observe(past, kept)
         self.kv_tokens.append(tokens[-1])
         self.kv_tokens.extend(draft.tokens[node] for node in verdict.accepted)
         return draft, verdict
@@ -348,7 +364,7 @@ class Engine:
             if self.guard is not None and (notice := self.guard.record(len(draft), accepted + 1, t2 - t0)):
                 stats.notices.append(notice)
             if self.proposer is not None and self.proposer.has_model:
-                stats.draft_steps += len(draft)
+                stats.draft_steps += draft.steps if draft.steps is not None else len(draft)
             if label:
                 self.acceptance[label].update(len(draft), accepted)
             # per guess: accepted ones succeeded, the first rejected one failed, later ones were never judged

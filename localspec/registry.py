@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
-from localspec.config import home_dir
+from localspec.config import eagle_head_dir, has_eagle_head, home_dir
 from localspec.errors import LocalspecError
 
 if sys.version_info >= (3, 11):
@@ -31,7 +31,7 @@ _MIRROR_KEYS = {"file", "package", "version", "member", "parts", "size", "sha256
 _HEAD_KEYS = {"repo", "revision", "target_revision", "files"}
 _PAIRED_KEYS = {"proposer", "draft", "draft_len", "tokens_per_second", "speedup", "measured"}
 
-IMPLEMENTED_PROPOSERS = ("draft", "ngram", "none")
+IMPLEMENTED_PROPOSERS = ("eagle", "draft", "ngram", "none")
 """What the engine can run; `auto` never picks anything else (EAGLE heads are registered, not run)."""
 KV_BUDGET_TOKENS = 4096
 """Context assumed when checking that a target and its draft fit in memory together."""
@@ -319,7 +319,7 @@ def choose_proposer(
     def fits(draft: ModelEntry) -> bool:
         return memory is None or entry.memory_with(draft) <= memory
 
-    skipped = ["EAGLE heads are not implemented yet"] if entry.eagle_heads else []
+    skipped: list[str] = []
     paired = entry.paired
     if paired and paired.proposer in IMPLEMENTED_PROPOSERS and not slow(pair_key(paired.proposer, paired.draft)):
         usable = paired.draft is None or (
@@ -333,6 +333,13 @@ def choose_proposer(
                 f"{what} won `localspec pair` here ({paired.tokens_per_second:.1f} tok/s, {paired.speedup:.2f}x plain)",
                 paired.draft,
             )
+
+    if has_eagle_head(entry.name) and not slow("eagle"):
+        return Choice("eagle", _with_skipped(f"an EAGLE head trained for {entry.name} is on this machine ({eagle_head_dir(entry.name)})", skipped))
+    if has_eagle_head(entry.name):
+        skipped.append(f"the EAGLE head measured {slow('eagle').speedup:.2f}x plain here")
+    elif entry.eagle_heads:
+        skipped.append(f"no EAGLE head on this machine (localspec train-eagle --target {entry.name})")
 
     for name in entry.drafts:
         draft = registry.models.get(name) if registry is not None else None

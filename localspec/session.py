@@ -18,7 +18,10 @@ from localspec.engine import Engine
 from localspec.errors import LocalspecError
 from localspec.loading import LoadedModel, hub_snapshot, load_model, pick_device
 from localspec.pairing import check_tokenizers, situation
+from localspec.config import eagle_head_dir, has_eagle_head
 from localspec.proposers import DraftModelProposer, NgramProposer
+from localspec.proposers.eagle import EagleProposer
+from localspec.proposers.eagle_head import build_head, load_head
 from localspec.registry import ModelEntry, Registry, choose_proposer, load_registry
 from localspec import quant as quantization
 from localspec_kernels.cpu_linear import (
@@ -113,9 +116,12 @@ def choose_dtype(
     return DTYPE_NAMES[best], reason
 
 
-def make_proposer(name: str, spec: SpecConfig, draft: LoadedModel | None):
+def make_proposer(name: str, spec: SpecConfig, draft: LoadedModel | None, target: LoadedModel | None = None,
+                  costs: CostModel | None = None):
     if name == "none":
         return None
+    if name == "eagle":
+        return load_eagle(target, spec, costs)
     if name == "ngram":
         return NgramProposer(spec.ngram_min, spec.ngram_max)
     if name == "draft":
@@ -125,12 +131,25 @@ def make_proposer(name: str, spec: SpecConfig, draft: LoadedModel | None):
     raise LocalspecError(f"unknown proposer {name!r}")
 
 
+def load_eagle(target: LoadedModel, spec: SpecConfig, costs: CostModel | None) -> EagleProposer:
+    """The EAGLE head trained for this target on this machine, checked against it strictly."""
+    folder = eagle_head_dir(target.name)
+    if not has_eagle_head(target.name):
+        raise LocalspecError(
+            f"no EAGLE head for {target.name} on this machine ({folder}); "
+            f"train one with `localspec train-eagle --target {target.name}` or use --proposer draft/ngram"
+        )
+    checkpoint = load_head(folder, target.model.config)
+    head = build_head(checkpoint, target.model, torch.float32).to(target.device)
+    return EagleProposer(head, target.model, costs, top_k=spec.tree_top_k, nodes=spec.tree_nodes, depth=spec.tree_depth)
+
+
 def make_engine(target: LoadedModel, draft: LoadedModel | None, proposer: str, spec: SpecConfig, reason: str) -> Engine:
     """An engine over already-loaded weights (the benchmark builds several over the same ones)."""
+    costs = costs_for(target, draft if proposer == "draft" else None)
     return Engine(
-        target.model, target.tokenizer, make_proposer(proposer, spec, draft), spec=spec,
-        costs=costs_for(target, draft if proposer == "draft" else None),
-        context_len=target.context_len, proposer_reason=reason,
+        target.model, target.tokenizer, make_proposer(proposer, spec, draft, target, costs), spec=spec,
+        costs=costs, context_len=target.context_len, proposer_reason=reason,
     )
 
 

@@ -31,6 +31,8 @@ class GenerationStats:
     """drafted_at[i]: passes whose draft reached position i (0-based)."""
     accepted_at: list[int] = field(default_factory=list)
     """accepted_at[i]: passes whose draft was accepted up to and including position i."""
+    accepted_hist: list[int] = field(default_factory=list)
+    """Passes by how many drafted tokens they accepted (for a tree: the depth of the accepted path)."""
     draft_steps: int = 0
     """Draft model forward passes (0 for lookups)."""
     draft_seconds: float = 0.0
@@ -47,6 +49,9 @@ class GenerationStats:
 
     def record_pass(self, drafted: int, accepted: int, draft_seconds: float, verify_seconds: float) -> None:
         self.passes += 1
+        while len(self.accepted_hist) <= accepted:
+            self.accepted_hist.append(0)
+        self.accepted_hist[accepted] += 1
         self.drafted += drafted
         self.accepted += accepted
         self.draft_seconds += draft_seconds
@@ -116,6 +121,7 @@ class GenerationStats:
             "accepted": self.accepted,
             "acceptance_rate": self.acceptance_rate,
             "acceptance_by_position": self.acceptance_by_position,
+            "accepted_length_histogram": self.accepted_hist,
             "mean_tokens_per_pass": self.mean_tokens_per_pass,
             "mean_draft_len": self.mean_draft_len,
             "draft_steps": self.draft_steps,

@@ -28,6 +28,8 @@ class Draft:
     confidences: list[float] = field(default_factory=list)
     """Per node, the proposer's own probability for its guess (model proposers; empty otherwise):
     the engine learns how often guesses of each confidence are accepted."""
+    steps: int | None = None
+    """Model steps spent drafting (a tree drafts a whole level per step); None = one per node."""
 
     def __post_init__(self) -> None:
         if len(self.tokens) != len(self.parents):
@@ -50,7 +52,7 @@ class Draft:
     def first(self, n: int) -> "Draft":
         """The first n nodes: still a valid tree, since parents come before their children (a
         chain keeps its first n guesses)."""
-        return Draft(self.tokens[:n], self.parents[:n], self.probs[:n], self.label, self.confidences[:n])
+        return Draft(self.tokens[:n], self.parents[:n], self.probs[:n], self.label, self.confidences[:n], self.steps)
 
     @property
     def is_chain(self) -> bool:

@@ -33,5 +33,17 @@ class Proposer(ABC):
         `tokens` themselves, so the engine never has to tell them what was accepted.
         """
 
+    builds_trees: bool = False
+    """True when the proposer shapes its own tree from measured costs: the engine then offers it
+    every node that fits and leaves the size to it."""
+
+    def observe(self, start: int, kept: list[int] | None) -> None:
+        """Called after each target pass that wrote cache entries from position `start`; `kept`
+        lists the pass's inputs now committed (None = all, a prefill). Proposers that read the
+        target's hidden states (EAGLE) collect them here; others ignore it."""
+
     def reset(self) -> None:
         """Drop per-conversation state (caches)."""
+
+    def close(self) -> None:
+        """Release anything attached to the target (hooks)."""

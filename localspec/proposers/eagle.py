@@ -1,0 +1,252 @@
+"""EAGLE proposer: a one-layer head reads the target's own hidden states and drafts a tree.
+
+Features come free with the target's passes: hooks on the target copy the hidden states the head
+reads (EAGLE-3: the residual stream entering three layers; EAGLE-1: the final normed state) during
+every prefill and verify pass, and the engine says which positions were committed (`observe`).
+
+Each pass (EAGLE-2's dynamic tree): the head catches up on the newly committed positions, then
+expands the `top_k` best nodes level by level, scoring each node by its cumulative draft
+log-probability; the best `nodes` of everything it saw form the tree the target verifies in one
+pass. How deep to go and how many nodes to keep follow the measured costs: a level is drafted only
+while the probability mass it can add pays for one more head step, and the node count maximises
+expected tokens per second under the measured cost of a verify pass of that width, with the head's
+scores calibrated by the acceptance actually seen.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+
+import torch
+
+from localspec.config import SamplingConfig
+from localspec.costs import CostModel
+from localspec.proposers.base import Proposer
+from localspec.proposers.draft_model import common_prefix
+from localspec.proposers.eagle_head import EagleHead
+from localspec.tree import Draft
+
+
+class FeatureTap:
+    """Hooks that keep the hidden states the head reads from the target's latest forward."""
+
+    def __init__(self, target: torch.nn.Module, aux_layers: tuple[int, ...]) -> None:
+        base = target.get_decoder() if hasattr(target, "get_decoder") else target.model
+        self.captured: dict[int, torch.Tensor] = {}
+        self.order = list(aux_layers) or ["final"]
+        self.handles = []
+        if aux_layers:
+            for index in aux_layers:
+                self.handles.append(base.layers[index].register_forward_pre_hook(self._grab_input(index), with_kwargs=True))
+        else:
+            self.handles.append(base.norm.register_forward_hook(self._grab_output("final")))
+
+    def _grab_input(self, key):
+        def hook(module, args, kwargs):
+            self.captured[key] = args[0] if args else kwargs["hidden_states"]  # (1, T, Ht): the layer's input
+
+        return hook
+
+    def _grab_output(self, key):
+        def hook(module, args, output):
+            self.captured[key] = output  # (1, T, Ht)
+
+        return hook
+
+    def take(self) -> torch.Tensor:
+        """(T, feature width) of the latest forward, low -> mid -> high layer."""
+        parts = [self.captured.pop(key)[0] for key in self.order]
+        return torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0]
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
+
+
+class EagleProposer(Proposer):
+    name = "eagle"
+    has_model = True
+    builds_trees = True
+
+    def __init__(self, head: EagleHead, target: torch.nn.Module, costs: CostModel | None = None,
+                 top_k: int = 8, nodes: int | None = None, depth: int | None = None, max_depth: int = 12) -> None:
+        self.head = head
+        self.tap = FeatureTap(target, head.cfg.aux_layers)
+        self.costs = costs
+        self.top_k, self.fixed_nodes, self.fixed_depth, self.max_depth = top_k, nodes, depth, max_depth
+        self.device = head.fc.weight.device
+        self.features = torch.empty(0, head.cfg.feature_width, device=self.device)  # (S, F): one per committed cache entry
+        self.step_seconds = 0.0  # measured head step (one tree level), a running average
+        self.calibration = 1.0  # accepted tokens / predicted (sum of node probabilities), a running ratio
+        self._last_predicted: float | None = None
+        self.reset()
+
+    def reset(self) -> None:
+        self.keys: torch.Tensor | None = None  # (1, Hkv, L, d): the head's cache over committed positions
+        self.values: torch.Tensor | None = None
+        self.cached: list[int] = []  # tokens[:L + 1] when the head's cache was filled: position t read token t + 1
+
+    def close(self) -> None:
+        self.tap.remove()
+
+    # -- features from the target's passes ---------------------------------------------------
+
+    def observe(self, start: int, kept: list[int] | None) -> None:
+        """The target's latest pass wrote cache entries from `start`; `kept` (indices into the
+        pass, None = all) are the ones now committed. Their features are kept in the same order."""
+        new = self.tap.take().to(self.device, self.head.dtype)  # (T, F)
+        if kept is not None:
+            new = new[torch.tensor(kept, device=self.device)]
+            if self._last_predicted is not None:  # a verify pass: learn how well the scores predict
+                accepted = len(kept) - 1
+                self.calibration = 0.9 * self.calibration + 0.1 * min(accepted / max(self._last_predicted, 1e-3), 3.0)
+                self._last_predicted = None
+        self.features = torch.cat([self.features[:start], new])
+
+    # -- drafting -------------------------------------------------------------------------------
+
+    def _catch_up(self, tokens: list[int]) -> torch.Tensor:
+        """Run the head over committed positions it has not seen; returns its output at the last
+        one, (1, h), whose logits guess the token after `tokens`."""
+        n = len(tokens)
+        keep = max(min(common_prefix(self.cached, tokens) - 1, n - 2), 0)
+        if self.keys is not None:
+            self.keys, self.values = self.keys[:, :, :keep], self.values[:, :, :keep]
+        hidden = self.features[keep : n - 1][None]  # (1, T, F)
+        ids = torch.tensor([tokens[keep + 1 : n]], device=self.device)  # (1, T)
+        positions = torch.arange(keep, n - 1, device=self.device)[None]  # (1, T)
+        out, k, v = self.head(hidden, ids, positions, self.keys, self.values)
+        self.keys = k if self.keys is None else torch.cat([self.keys, k], dim=2)
+        self.values = v if self.values is None else torch.cat([self.values, v], dim=2)
+        self.cached = list(tokens)
+        return out[:, -1]  # (1, h)
+
+    def _best_nodes(self, probs: list[float], depth: int, limit: int) -> tuple[int, float, float]:
+        """The node count (of candidates sorted by probability) with the best expected tokens per
+        second: (count, expected tokens, seconds) for `depth` head steps plus the verify pass."""
+        if self.fixed_nodes is not None:
+            n = min(self.fixed_nodes, limit, len(probs))
+            return n, 1.0 + self.calibration * sum(probs[:n]), 1.0
+        best = (0, 1.0, self.costs.verify(1))
+        expected = 1.0
+        for n in range(1, min(limit, len(probs)) + 1):
+            expected += self.calibration * probs[n - 1]
+            seconds = depth * self.step_seconds + self.costs.verify(n + 1)
+            if expected / seconds > best[1] / best[2]:
+                best = (n, expected, seconds)
+        return best
+
+    def _deeper_pays(self, scores: list[float], frontier: list[int], depth: int, limit: int) -> bool:
+        """Whether one more level can raise the expected rate: at best it adds the frontier's
+        probability mass (children never outscore their parent), for one more head step and the
+        wider verify pass."""
+        if self.step_seconds == 0.0:
+            return True  # not measured yet: measure by drafting
+        probs = sorted((math.exp(s) for s in scores), reverse=True)
+        n, expected, seconds = self._best_nodes(probs, depth, limit)
+        extra = self.calibration * sum(math.exp(scores[c]) for c in frontier)
+        wider = min(n + len(frontier), limit)
+        more_seconds = self.step_seconds + self.costs.verify(wider + 1) - self.costs.verify(n + 1)
+        return (expected + extra) / (seconds + more_seconds) > expected / seconds
+
+    @torch.inference_mode()
+    def propose(
+        self, tokens: list[int], max_len: int, sampling: SamplingConfig, generator: torch.Generator,
+        worth: Callable[[list[float]], bool] | None = None,
+    ) -> Draft:
+        if max_len <= 0 or len(self.features) != len(tokens) - 1 or len(tokens) < 2:
+            return Draft.chain([])
+        started = time.perf_counter()
+        last = self._catch_up(tokens)  # (1, h)
+        stable = self.keys.shape[2]
+        k = max(1, min(self.top_k, max_len))
+        logp = torch.log_softmax(self.head.logits(last).float(), dim=-1)[0]  # (Vd,)
+        top = torch.topk(logp, k)
+        # every candidate seen: draft-vocabulary token, parent candidate (-1 = root), score, depth
+        cand_tokens: list[int] = top.indices.tolist()
+        cand_parent: list[int] = [-1] * k
+        cand_score: list[float] = top.values.tolist()
+        cand_logp: list[float] = top.values.tolist()
+        cand_depth: list[int] = [1] * k
+        frontier = list(range(k))  # candidates to expand next
+        frontier_hidden = last.expand(k, -1)  # (k, h): the output whose logits proposed each frontier node
+        tree_keys = tree_values = None  # (1, Hkv, m, d): the head's entries for expanded candidates
+        tree_rows: list[int] = []  # candidate index of each expanded entry
+        visible = torch.zeros(0, 0, dtype=torch.bool, device=self.device)  # (m, m): entry sees entry
+        depth = 1
+        max_depth = self.fixed_depth or min(self.max_depth, max_len)
+        while depth < max_depth:
+            if self.fixed_depth is None and self.costs is not None and not self._deeper_pays(cand_score, frontier, depth, max_len):
+                break
+            t0 = time.perf_counter()
+            m = len(tree_rows)
+            # attention: the committed context, the frontier node's ancestors among expanded entries, itself
+            rows = torch.zeros(len(frontier), m + len(frontier), dtype=torch.bool, device=self.device)
+            for i, c in enumerate(frontier):
+                parent = cand_parent[c]
+                if parent >= 0:
+                    rows[i, :m] = visible[tree_rows.index(parent)]
+                rows[i, m + i] = True
+            mask = torch.cat([torch.ones(len(frontier), stable, dtype=torch.bool, device=self.device), rows], dim=1)[None]
+            ids = torch.tensor([[cand_tokens[c] for c in frontier]], device=self.device)
+            ids = self.head.to_target_ids(ids)
+            positions = torch.full((1, len(frontier)), len(tokens) - 2 + depth, device=self.device)
+            past_k = self.keys if tree_keys is None else torch.cat([self.keys, tree_keys], dim=2)
+            past_v = self.values if tree_values is None else torch.cat([self.values, tree_values], dim=2)
+            out, nk, nv = self.head(frontier_hidden[None], ids, positions, past_k, past_v, mask)  # out (1, f, h)
+            tree_keys = nk if tree_keys is None else torch.cat([tree_keys, nk], dim=2)
+            tree_values = nv if tree_values is None else torch.cat([tree_values, nv], dim=2)
+            grown = torch.zeros(m + len(frontier), m + len(frontier), dtype=torch.bool, device=self.device)
+            grown[:m, :m] = visible
+            grown[m:] = rows
+            visible = grown
+            tree_rows.extend(frontier)
+            child_logp = torch.log_softmax(self.head.logits(out[0]).float(), dim=-1)  # (f, Vd)
+            child = torch.topk(child_logp, k, dim=-1)  # (f, k)
+            parent_scores = torch.tensor([cand_score[c] for c in frontier], device=child.values.device)
+            scores = (parent_scores[:, None] + child.values).flatten()  # (f * k,)
+            depth += 1
+            first_new = len(cand_tokens)
+            for i, c in enumerate(frontier):
+                for j in range(k):
+                    cand_tokens.append(int(child.indices[i, j]))
+                    cand_parent.append(c)
+                    cand_score.append(float(scores[i * k + j]))
+                    cand_logp.append(float(child.values[i, j]))
+                    cand_depth.append(depth)
+            best = torch.topk(scores, min(k, scores.numel())).indices.tolist()
+            frontier = [first_new + b for b in best]
+            frontier_hidden = out[0][[b // k for b in best]]  # (k, h): each new frontier node's parent output
+            elapsed = time.perf_counter() - t0
+            self.step_seconds = elapsed if self.step_seconds == 0 else 0.8 * self.step_seconds + 0.2 * elapsed
+
+        order = sorted(range(len(cand_tokens)), key=lambda c: -cand_score[c])
+        probs = [math.exp(cand_score[c]) for c in order]
+        if self.costs is None and self.fixed_nodes is None:
+            nodes = min(max_len, len(order))
+        else:
+            nodes = self._best_nodes(probs, depth, max_len)[0]
+        chosen = set(order[:nodes])
+        chosen = {c for c in chosen if all(a in chosen for a in self._ancestors(c, cand_parent))}
+        # parents first (by depth), most likely sibling first: the order the acceptance rule tries them
+        picked = sorted(chosen, key=lambda c: (cand_depth[c], -cand_score[c]))
+        index = {c: i for i, c in enumerate(picked)}
+        target_ids = self.head.to_target_ids(torch.tensor([cand_tokens[c] for c in picked], dtype=torch.long, device=self.device)).tolist()
+        draft = Draft(
+            target_ids, [index[cand_parent[c]] if cand_parent[c] >= 0 else -1 for c in picked],
+            label="eagle", confidences=[math.exp(cand_logp[c]) for c in picked], steps=depth,
+        )
+        self._last_predicted = sum(math.exp(cand_score[c]) for c in picked) if picked else None
+        self.last_propose_seconds = time.perf_counter() - started
+        return draft
+
+    @staticmethod
+    def _ancestors(c: int, parents: list[int]) -> list[int]:
+        out = []
+        while parents[c] >= 0:
+            c = parents[c]
+            out.append(c)
+        return out
