@@ -57,7 +57,8 @@ class FeatureTap:
 
     def take(self) -> torch.Tensor:
         """(T, feature width) of the latest forward, low -> mid -> high layer."""
-        parts = [self.captured.pop(key)[0] for key in self.order]
+        parts = [self.captured[key][0] for key in self.order]
+        self.captured.clear()
         return torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0]
 
     def remove(self) -> None:
@@ -157,6 +158,9 @@ class EagleProposer(Proposer):
         self, tokens: list[int], max_len: int, sampling: SamplingConfig, generator: torch.Generator,
         worth: Callable[[list[float]], bool] | None = None,
     ) -> Draft:
+        # The engine's cache holds tokens[:-1]; a new prompt that shares a prefix with the last
+        # conversation only truncates it (no pass), so features past that prefix are stale.
+        self.features = self.features[: len(tokens) - 1]
         if max_len <= 0 or len(self.features) != len(tokens) - 1 or len(tokens) < 2:
             return Draft.chain([])
         started = time.perf_counter()
