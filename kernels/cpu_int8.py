@@ -61,7 +61,7 @@ class Int8Linear(torch.nn.Module):
             self.qweight = self.qweight.clone()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., in) -> (..., out)
-        rows = x.reshape(-1, x.shape[-1])  # (M, in)
+        rows = x.reshape(-1, x.shape[-1]).contiguous()  # (M, in): the CPU kernel needs contiguous rows
         out = torch.ops.aten._weight_int8pack_mm(rows, self.qweight, self.scales.to(rows.dtype))  # (M, out)
         if self.bias is not None:
             out = out + self.bias.to(out.dtype)

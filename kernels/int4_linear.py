@@ -79,7 +79,7 @@ class Int4Linear(torch.nn.Module):
         self._cpu_weight = (weight, scale_zeros)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., in) -> (..., out)
-        rows = x.reshape(-1, self.in_features)  # (M, in)
+        rows = x.reshape(-1, self.in_features).contiguous()  # (M, in): the CPU kernels need contiguous rows
         if rows.device.type == "cpu" and cpu_int4_supported() and rows.dtype in (torch.bfloat16, torch.float16):
             weight, scale_zeros = self._cpu_layout(rows.dtype)
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, weight, self.group_size, scale_zeros)  # (M, N + pad)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from localspec.config import GenerationLimits, SamplingConfig, SpecConfig
+from localspec.config import GenerationLimits, SamplingConfig, SpecConfig, has_eagle_head
 from localspec.errors import LocalspecError
 from localspec.registry import choose_proposer, load_registry
 from localspec.session import describe_weights, draft_entry_for, load_models, make_engine
@@ -77,6 +77,8 @@ def run_localspec(engine, prompt: str, max_new: int) -> dict:
         "decode_tokens_per_second": stats.decode_tokens_per_second, "acceptance_rate": stats.acceptance_rate,
         "mean_tokens_per_pass": stats.mean_tokens_per_pass, "mean_draft_len": stats.mean_draft_len,
         "cost_ratio_c": stats.cost_ratio, "ttft_seconds": stats.ttft_seconds, "output_ids": tokens,
+        "mean_accepted_length": stats.accepted / stats.passes if stats.passes else 0.0,
+        "accepted_length_histogram": stats.accepted_hist, "draft_steps": stats.draft_steps,
     }
 
 
@@ -107,6 +109,10 @@ def run_bench(args, spec: SpecConfig) -> int:
     for name in wanted:
         if name not in ("none", "ngram", "draft", "eagle"):
             raise LocalspecError(f"--proposers: unknown proposer {name!r} (none, ngram, draft, eagle)")
+    if "eagle" in wanted and not has_eagle_head(entry.name):
+        print(f"localspec: no EAGLE head for {entry.name} here (localspec train-eagle --target {entry.name}); "
+              "skipping the eagle proposer", file=sys.stderr)
+        wanted.remove("eagle")
     if "draft" in wanted and not entry.drafts:
         print(f"localspec: {entry.name} has no registered draft; skipping the draft proposer", file=sys.stderr)
         wanted.remove("draft")

@@ -53,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="compare proposers and transformers' generate on a prompt set")
     _add_model_options(bench)
-    bench.add_argument("--proposers", default="none,ngram,draft", help="comma-separated proposers to run")
+    bench.add_argument("--proposers", default="none,ngram,draft,eagle", help="comma-separated proposers to run (eagle: when a head was trained here)")
     bench.add_argument("--prompts", default=None, help="JSON file: a list of {name, prompt} objects")
     bench.add_argument("--max-new-tokens", type=int, default=128)
     bench.add_argument("--no-hf", action="store_true", help="skip transformers' own generate modes")
@@ -85,6 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--epochs", type=int, default=4)
     train.add_argument("--draft-vocab", type=int, default=8192, help="EAGLE-3 draft vocabulary size")
     train.add_argument("--ttt-steps", type=int, default=3, help="unrolled training-time-test steps")
+    train.add_argument("--intermediate-size", type=int, default=None, help="the head's MLP width (default: the target's)")
+    train.add_argument("--answer-tokens", type=int, default=160, help="longest self-distilled answer")
     train.add_argument("--lr", type=float, default=1e-3)
     train.add_argument("--quant", default="auto", metavar="|".join(QUANTS), help="target weights, as it will run")
     train.add_argument("--dtype", default="auto", choices=DTYPES)
@@ -235,6 +237,7 @@ def cmd_train_eagle(args: argparse.Namespace) -> int:
     settings = TrainSettings(
         version=1 if args.eagle1 else 3, max_tokens=args.max_tokens, self_distill=args.self_distill,
         draft_vocab=args.draft_vocab, epochs=args.epochs, ttt_steps=args.ttt_steps, lr=args.lr,
+        intermediate_size=args.intermediate_size, answer_tokens=args.answer_tokens,
     )
     if settings.epochs < 1 or settings.ttt_steps < 1 or settings.max_tokens < 0 or settings.self_distill < 0:
         raise LocalspecError("--epochs and --ttt-steps must be at least 1; --max-tokens and --self-distill at least 0")

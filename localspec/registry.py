@@ -68,6 +68,8 @@ class EagleHead:
     revision: str
     target_revision: str
     files: tuple[str, ...]
+    train: str = ""
+    """For a head no hub publishes: the `localspec train-eagle` options that make it here."""
 
 
 @dataclass(frozen=True)
@@ -168,6 +170,10 @@ def _entry(name: str, raw: dict, where: str) -> ModelEntry:
 
     heads = []
     for head in raw.get("eagle_heads", ()):
+        if "train" in head:  # trained on the user's machine, not downloaded
+            _check_keys(head, {"train"}, ("train",), f"an EAGLE head of {name!r}", where)
+            heads.append(EagleHead("", "", "", (), str(head["train"])))
+            continue
         _check_keys(head, _HEAD_KEYS, sorted(_HEAD_KEYS), f"an EAGLE head of {name!r}", where)
         heads.append(EagleHead(head["repo"], str(head["revision"]), str(head["target_revision"]), tuple(head["files"])))
 
@@ -339,7 +345,7 @@ def choose_proposer(
     if has_eagle_head(entry.name):
         skipped.append(f"the EAGLE head measured {slow('eagle').speedup:.2f}x plain here")
     elif entry.eagle_heads:
-        skipped.append(f"no EAGLE head on this machine (localspec train-eagle --target {entry.name})")
+        skipped.append(f"no EAGLE head on this machine ({train_command(entry)})")
 
     for name in entry.drafts:
         draft = registry.models.get(name) if registry is not None else None
@@ -361,6 +367,12 @@ def choose_proposer(
         return Choice("ngram", _with_skipped("prompt lookup needs no extra model", skipped))
     skipped.append(f"prompt lookup measured {measured.speedup:.2f}x plain here")
     return Choice("none", _with_skipped("plain decoding", skipped))
+
+
+def train_command(entry: ModelEntry) -> str:
+    """The command that makes this target's EAGLE head here, with its registered recipe."""
+    recipe = next((h.train for h in entry.eagle_heads if h.train), "")
+    return f"localspec train-eagle --target {entry.name}{' ' + recipe if recipe else ''}"
 
 
 def _with_skipped(reason: str, skipped: list[str]) -> str:

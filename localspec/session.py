@@ -22,7 +22,7 @@ from localspec.config import eagle_head_dir, has_eagle_head
 from localspec.proposers import DraftModelProposer, NgramProposer
 from localspec.proposers.eagle import EagleProposer
 from localspec.proposers.eagle_head import build_head, load_head
-from localspec.registry import ModelEntry, Registry, choose_proposer, load_registry
+from localspec.registry import ModelEntry, Registry, choose_proposer, load_registry, train_command
 from localspec import quant as quantization
 from localspec_kernels.cpu_linear import (
     PackedLinear, linear_bytes, pack_linears, packing_supported, set_wide_from, unpack_linears,
@@ -137,7 +137,7 @@ def load_eagle(target: LoadedModel, spec: SpecConfig, costs: CostModel | None) -
     if not has_eagle_head(target.name):
         raise LocalspecError(
             f"no EAGLE head for {target.name} on this machine ({folder}); "
-            f"train one with `localspec train-eagle --target {target.name}` or use --proposer draft/ngram"
+            f"train one with `{train_command(load_registry().get(target.name))}` or use --proposer draft/ngram"
         )
     checkpoint = load_head(folder, target.model.config)
     head = build_head(checkpoint, target.model, torch.float32).to(target.device)

@@ -34,6 +34,8 @@ from localspec.errors import LocalspecError
 from localspec.proposers.eagle import FeatureTap
 from localspec.proposers.eagle_head import EagleHead, HeadConfig, dense_weight, save_head
 
+PROMPT_CONTEXT = 32
+"""Prompt positions kept before a self-distilled answer for training."""
 TEXT_SUFFIXES = {".py", ".txt", ".md", ".rst", ".json", ".toml", ".c", ".h", ".js", ".ts", ".rs", ".go", ".java"}
 
 
@@ -97,43 +99,61 @@ def file_sequences(tokenizer, paths: list[Path], settings: TrainSettings, rng: r
 
 
 def code_prompts(paths: list[Path], count: int, rng: random.Random) -> list[str]:
-    """Chat prompts made from the functions found in the sources: write, explain, refactor, test."""
+    """Chat prompts made from the functions found in the sources: tasks phrased from their
+    docstrings (free-form questions, like a user's), and requests about their code."""
     functions = []
     for path in iter_files(paths):
         if path.suffix != ".py" or len(functions) > 20 * count:
             continue
         try:
-            tree = ast.parse(path.read_text(encoding="utf-8"))
+            source = path.read_text(encoding="utf-8")
+            tree = ast.parse(source)
         except (SyntaxError, UnicodeDecodeError, ValueError, OSError):
             continue
-        source = path.read_text(encoding="utf-8")
         for node in ast.walk(tree):
             if isinstance(node, ast.FunctionDef) and not node.name.startswith("_"):
                 code = ast.get_source_segment(source, node) or ""
-                if 3 <= code.count("\n") <= 30:
-                    doc = (ast.get_docstring(node) or "").strip().split("\n")[0]
-                    functions.append((node.name, doc, code))
+                doc = (ast.get_docstring(node) or "").strip().split("\n")[0].rstrip(".")
+                if 3 <= code.count("\n") <= 30 and len(doc.split()) >= 3:
+                    functions.append((path.stem, node.name, _imperative(doc), code))
     if not functions:
-        raise LocalspecError("no Python functions found in the data to build prompts from")
+        raise LocalspecError("no documented Python functions found in the data to build prompts from")
     rng.shuffle(functions)
     templates = [
-        lambda n, d, c: f"Write a Python function `{n}`" + (f" that does this: {d}" if d else "") + ". Explain it briefly.",
-        lambda n, d, c: f"Explain what this Python function does:\n```python\n{c}\n```",
-        lambda n, d, c: f"Refactor this code to be clearer and add type hints:\n```python\n{c}\n```",
-        lambda n, d, c: f"Write pytest tests for this function:\n```python\n{c}\n```",
-        lambda n, d, c: f"Find possible bugs in this code and fix them:\n```python\n{c}\n```",
+        lambda m, n, d, c: f"Write a Python function that does this: {d}.",
+        lambda m, n, d, c: f"How would you {d} in Python? Show the code.",
+        lambda m, n, d, c: f"Explain what `{n}` in Python's `{m}` module is for, with a short example.",
+        lambda m, n, d, c: f"Explain what this Python function does:\n```python\n{c}\n```",
+        lambda m, n, d, c: f"Write a Python function `{n}` ({d}) and explain it briefly.",
+        lambda m, n, d, c: f"Refactor this code to be clearer and add type hints:\n```python\n{c}\n```",
     ]
     return [templates[i % len(templates)](*functions[i % len(functions)]) for i in range(count)]
 
 
+def _imperative(doc: str) -> str:
+    """"Returns the size." -> "return the size": docstrings describe, prompts ask."""
+    first, _, rest = doc.partition(" ")
+    word = first.lower()
+    if word.endswith("ies"):
+        word = word[:-3] + "y"
+    elif word.endswith(("ches", "shes", "sses", "xes")):
+        word = word[:-2]
+    elif word.endswith("s") and not word.endswith("ss"):
+        word = word[:-1]
+    return f"{word} {rest}".strip()
+
+
 @torch.inference_mode()
-def self_distilled(target, tokenizer, prompts: list[str], settings: TrainSettings, store: Path, progress) -> list[list[int]]:
-    """Prompt + the target's own greedy answer, per prompt; answers already in `store` are reused."""
+def self_distilled(target, tokenizer, prompts: list[str], settings: TrainSettings, store: Path, progress) -> list[tuple[list[int], int]]:
+    """(prompt + the target's own greedy answer, prompt length) per prompt; answers already in
+    `store` are reused."""
     done: dict[str, list[int]] = {}
+    lengths: dict[str, int] = {}
     if store.exists():
         for line in store.read_text(encoding="utf-8").splitlines():
             record = json.loads(line)
             done[record["prompt"]] = record["ids"]
+            lengths[record["prompt"]] = record.get("prompt_len", 0)
     todo = [p for p in prompts if p not in done]
     device = next(target.parameters()).device
     batch = 8
@@ -150,11 +170,12 @@ def self_distilled(target, tokenizer, prompts: list[str], settings: TrainSetting
             for prompt, e, row in zip(group, encoded, generated[:, width:].tolist()):
                 answer = row[: row.index(pad)] if pad in row else row
                 done[prompt] = e + answer
-                out.write(json.dumps({"prompt": prompt, "ids": done[prompt]}) + "\n")
+                lengths[prompt] = len(e)
+                out.write(json.dumps({"prompt": prompt, "ids": done[prompt], "prompt_len": len(e)}) + "\n")
                 out.flush()
             bar.update(len(group))
     bar.close()
-    return [done[p] for p in prompts]
+    return [(done[p], lengths[p]) for p in prompts]
 
 
 def _chat_ids(tokenizer, prompt: str) -> list[int]:
@@ -165,19 +186,25 @@ def _chat_ids(tokenizer, prompt: str) -> list[int]:
 
 
 @torch.inference_mode()
-def record_features(target, cfg: HeadConfig, sequences: list[list[int]], progress) -> list[dict]:
-    """One target pass per sequence: features the head reads and the final hidden state."""
+def record_features(target, cfg: HeadConfig, sequences: list[tuple[list[int], int]], progress) -> list[dict]:
+    """One target pass per (ids, loss start): features the head reads, the final hidden state, and
+    which positions count (a prompt only conditions; the head learns the answers)."""
     tap = FeatureTap(target, cfg.aux_layers)
     final = FeatureTap(target, ()) if cfg.aux_layers else None
     device = next(target.parameters()).device
     records = []
     try:
-        for ids in progress(sequences, desc="target features", unit="seq"):
+        for ids, loss_start in progress(sequences, desc="target features", unit="seq"):
             x = torch.tensor([ids], device=device)
             target.model(input_ids=x) if hasattr(target, "model") else target(x)
             feats = tap.take()
             last = final.take() if final is not None else feats
-            records.append({"ids": torch.tensor(ids), "features": feats.to(torch.bfloat16).cpu(), "final": last.to(torch.bfloat16).cpu()})
+            # the features already carry the whole prompt; training on its last few positions is
+            # enough context for the head's own attention, and much cheaper than all of them
+            start = max(0, loss_start - PROMPT_CONTEXT)
+            valid = torch.arange(start, len(ids)) >= loss_start
+            records.append({"ids": torch.tensor(ids[start:]), "valid": valid, "features": feats[start:].to(torch.bfloat16).cpu(),
+                            "final": last[start:].to(torch.bfloat16).cpu()})
     finally:
         tap.remove()
         if final is not None:
@@ -246,7 +273,7 @@ def collate(records: list[dict], head_dtype: torch.dtype, device) -> dict:
         "ids": torch.stack([pad(r["ids"]) for r in records]).to(device),
         "features": torch.stack([pad(r["features"]) for r in records]).to(device, head_dtype),
         "final": torch.stack([pad(r["final"]) for r in records]).to(device, torch.float32),
-        "valid": torch.stack([pad(torch.ones(len(r["ids"]), dtype=torch.uint8)) for r in records]).bool().to(device),
+        "valid": torch.stack([pad(r["valid"].to(torch.uint8)) for r in records]).bool().to(device),
     }
 
 
@@ -275,7 +302,7 @@ def train_eagle(target_loaded, out_dir: Path, data: list[Path] | None, settings:
         stored = torch.load(data_file, weights_only=False)
         records, used = stored["records"], stored["used"]
     else:
-        sequences = file_sequences(tokenizer, sources, settings, rng) if settings.max_tokens else []
+        sequences = [(ids, 0) for ids in file_sequences(tokenizer, sources, settings, rng)] if settings.max_tokens else []
         if settings.self_distill:
             prompts = code_prompts(sources, settings.self_distill, rng)
             sequences += self_distilled(target, tokenizer, prompts, settings, out_dir / "answers.jsonl", progress)
@@ -283,7 +310,7 @@ def train_eagle(target_loaded, out_dir: Path, data: list[Path] | None, settings:
             raise LocalspecError("no training data: give --data files or --self-distill N")
         cfg0 = HeadConfig.for_target(target.config, settings.version, settings.draft_vocab, settings.intermediate_size)
         records = record_features(target, cfg0, sequences, progress)
-        used = draft_vocabulary(sequences, cfg0.vocab_size, settings.draft_vocab)
+        used = draft_vocabulary([ids[start:] for ids, start in sequences], cfg0.vocab_size, settings.draft_vocab)
         torch.save({"records": records, "used": used}, data_file)
 
     cfg = HeadConfig.for_target(target.config, settings.version, len(used), settings.intermediate_size)
@@ -347,7 +374,7 @@ def train_eagle(target_loaded, out_dir: Path, data: list[Path] | None, settings:
         agreement = [ttt_loss(head, collate([r], torch.float32, device), target_head, 1)[1] for r in evaluation]
     summary = {
         "target": target_loaded.name, "version": cfg.version, "training_sequences": len(training),
-        "training_tokens": int(sum(len(r["ids"]) for r in training)), "steps": total_steps, "epochs": settings.epochs,
+        "training_tokens": int(sum(int(r["valid"].sum()) for r in training)), "steps": total_steps, "epochs": settings.epochs,
         "ttt_steps": settings.ttt_steps, "draft_vocab": len(used), "held_out_top1": round(sum(agreement) / len(agreement), 3),
         "train_seconds_this_run": round(time.perf_counter() - started, 1), "target_weights": str(target_loaded.quant),
     }

@@ -29,6 +29,7 @@ def test_cpu_int4_linear_matches_reference(rows, out_features, in_features, grou
     x = torch.randn(rows, in_features, dtype=torch.bfloat16)
     reference = int4_matmul_reference(x, layer.packed, layer.scales, layer.mins, group).float() + layer.bias.float()
     got = layer(x).float()
+    assert torch.equal(layer(x.t().contiguous().t()), layer(x)), "non-contiguous rows (a transposed view) work too"
     # bf16 activations and bf16 scale/zero in the kernel: a few bf16 steps of the output's size
     bound = 3e-2 * reference.abs().max() + 1e-2
     assert (got - reference).abs().max() <= bound

@@ -214,13 +214,11 @@ class EagleProposer(Proposer):
             scores = (parent_scores[:, None] + child.values).flatten()  # (f * k,)
             depth += 1
             first_new = len(cand_tokens)
-            for i, c in enumerate(frontier):
-                for j in range(k):
-                    cand_tokens.append(int(child.indices[i, j]))
-                    cand_parent.append(c)
-                    cand_score.append(float(scores[i * k + j]))
-                    cand_logp.append(float(child.values[i, j]))
-                    cand_depth.append(depth)
+            cand_tokens += child.indices.flatten().tolist()
+            cand_parent += [c for c in frontier for _ in range(k)]
+            cand_score += scores.tolist()
+            cand_logp += child.values.flatten().tolist()
+            cand_depth += [depth] * scores.numel()
             best = torch.topk(scores, min(k, scores.numel())).indices.tolist()
             frontier = [first_new + b for b in best]
             frontier_hidden = out[0][[b // k for b in best]]  # (k, h): each new frontier node's parent output
