@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import torch
 
+from localspec_kernels.rejection_rule import children_table, residual
+
 from .triton_int4 import triton_available, triton_jit
 
 try:
@@ -40,26 +42,6 @@ BLOCK_V = 1024
 
 MIN_Q = 1e-20
 """Floor on q(x) in the acceptance ratio, as in verify.py: a token drawn from q has q(x) > 0."""
-
-
-def _children(parents: list[int]) -> list[list[int]]:
-    """children[node + 1] lists the children of node (-1 = root) in index order."""
-    table: list[list[int]] = [[] for _ in range(len(parents) + 1)]
-    for i, parent in enumerate(parents):
-        table[parent + 1].append(i)
-    return table
-
-
-def _residual(p: torch.Tensor, q: torch.Tensor | None, token: int) -> torch.Tensor:
-    """What the target still allows after rejecting `token` drawn from q (None = one-hot)."""
-    if q is None:
-        rest = p.clone()
-        rest[token] = 0.0
-    else:
-        rest = (p - q).clamp_min(0.0)
-    total = rest.sum()
-    # p == q up to rounding: a rejection was (numerically) impossible, so p itself is the answer
-    return rest / total if total > 0 else p
 
 
 def _inverse_cdf(p: torch.Tensor, u: torch.Tensor) -> int:
@@ -85,7 +67,7 @@ def rejection_sample_reference(
     guesses). accept_uniforms (N,) and final_uniform in [0, 1). Returns (accepted node indices,
     next token).
     """
-    children = _children(parents.tolist())
+    children = children_table(parents.tolist())
     token_ids = tokens.tolist()
     uniforms = accept_uniforms.float()  # (N,)
     accepted: list[int] = []
@@ -103,7 +85,7 @@ def rejection_sample_reference(
                 node = child
                 p = target_probs[node + 1].float()
                 break
-            p = _residual(p, None if draft_probs is None else draft_probs[child].float(), x)
+            p = residual(p, None if draft_probs is None else draft_probs[child].float(), x)
         else:
             return accepted, _inverse_cdf(p, torch.as_tensor(final_uniform, dtype=torch.float32))
 

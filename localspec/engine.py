@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from localspec.attention import use_exact_attention
 from localspec.config import GenerationLimits, SamplingConfig, SpecConfig
 from localspec.costs import AcceptanceTracker, CostModel, SpeedGuard
 from localspec.errors import LocalspecError
@@ -132,6 +133,7 @@ class Engine:
         proposer_reason: str = "",
     ) -> None:
         self.model = model
+        use_exact_attention(model)  # verify passes must compute each row as plain decoding would
         self.tokenizer = tokenizer
         self.proposer = proposer
         self.spec = spec

@@ -292,7 +292,8 @@ def train_eagle(target_loaded, out_dir: Path, data: list[Path] | None, settings:
     settings_file = out_dir / "train_settings.json"
     if settings_file.exists():
         saved = json.loads(settings_file.read_text())
-        if saved != asdict(settings):
+        # more epochs continue a run; anything else would mix two different runs
+        if {**saved, "epochs": settings.epochs} != asdict(settings):
             raise LocalspecError(f"{out_dir} holds a training run with other settings ({settings_file}); use another --out")
     settings_file.write_text(json.dumps(asdict(settings), indent=1) + "\n")
     sources = data or default_sources()
@@ -344,8 +345,9 @@ def train_eagle(target_loaded, out_dir: Path, data: list[Path] | None, settings:
         state = torch.load(state_file, weights_only=False)
         head.load_state_dict(state["head"])
         optimizer.load_state_dict(state["optimizer"])
-        schedule.load_state_dict(state["schedule"])
         step = state["step"]
+        schedule.last_epoch = step - 1  # the schedule spans the epochs asked for now
+        schedule.step()
     device = next(target.parameters()).device
     head.to(device)
     target_head = target_head.to(device)

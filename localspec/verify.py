@@ -22,6 +22,8 @@ import torch
 from localspec.config import SamplingConfig
 from localspec.sampling import probs_from_logits, sample
 from localspec.tree import Draft
+from localspec_kernels.rejection_rule import children_table
+from localspec_kernels.rejection_rule import residual as _residual  # a module global: tests swap in a wrong rule
 
 
 @dataclass
@@ -32,18 +34,10 @@ class Verdict:
     """The recovered token (after a rejection) or the bonus token (whole path accepted)."""
 
 
-def _children_table(draft: Draft) -> list[list[int]]:
-    """children[node + 1] lists the children of node (-1 = root) in proposer order."""
-    table: list[list[int]] = [[] for _ in range(len(draft) + 1)]
-    for i, p in enumerate(draft.parents):
-        table[p + 1].append(i)
-    return table
-
-
 def verify_greedy(draft: Draft, target_logits: torch.Tensor) -> Verdict:
     """target_logits: (N+1, V), row 0 after the root, row i+1 after node i."""
     best = target_logits.argmax(dim=-1).tolist()  # (N+1,)
-    children = _children_table(draft)
+    children = children_table(draft.parents)
     accepted: list[int] = []
     node = -1
     while True:
@@ -55,24 +49,12 @@ def verify_greedy(draft: Draft, target_logits: torch.Tensor) -> Verdict:
         node = match
 
 
-def _residual(p: torch.Tensor, q: torch.Tensor | None, token: int) -> torch.Tensor:
-    """What the target still allows after rejecting `token` drawn from q (None = one-hot)."""
-    if q is None:
-        rest = p.clone()
-        rest[token] = 0.0
-    else:
-        rest = (p - q).clamp_min(0.0)
-    total = rest.sum()
-    # p == q up to rounding: a rejection was (numerically) impossible, so p itself is the answer
-    return rest / total if total > 0 else p
-
-
 def verify_sampling(
     draft: Draft, target_logits: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator
 ) -> Verdict:
     """Lossless rejection sampling over a chain or tree; target_logits as in verify_greedy."""
     target_probs = probs_from_logits(target_logits, sampling)  # (N+1, V)
-    children = _children_table(draft)
+    children = children_table(draft.parents)
     accepted: list[int] = []
     node = -1
     while True:

@@ -52,6 +52,11 @@ def arch(request):
 
 
 def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
+    """transformers' own greedy decoding, one token per step, with the attention the engine
+    gives its target (row-exact; see localspec/attention.py)."""
+    from localspec.attention import use_exact_attention
+
+    use_exact_attention(model)
     ids = torch.tensor([prompt])
     out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n, min_new_tokens=n)
     return out[0, len(prompt):].tolist()
