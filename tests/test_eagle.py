@@ -166,12 +166,12 @@ def test_a_head_trained_here_for_smollm2_drafts_two_tokens_per_pass(tmp_path):
     from localspec.train_eagle import TrainSettings, train_eagle
 
     loaded = load_model(load_registry().get("smollm2-135m"), torch.float32, progress=False)
-    # the test-sized budget: 96 greedy answers of up to 160 tokens, 8 epochs (~6 min on 2 cores)
-    settings = TrainSettings(max_tokens=0, self_distill=96, epochs=8)
+    # the test-sized budget: 128 greedy answers of up to 160 tokens, 6 epochs (~7 min on 2 cores)
+    settings = TrainSettings(max_tokens=0, self_distill=128, epochs=6)
     summary = train_eagle(loaded, tmp_path, None, settings, quiet=True)
     assert summary["steps"] > 0
     head = build_head(load_head(tmp_path, loaded.model.config), loaded.model)
-    proposer = EagleProposer(head, loaded.model, top_k=8, nodes=32, depth=6)
+    proposer = EagleProposer(head, loaded.model, top_k=8, nodes=48, depth=6)
     engine = Engine(loaded.model, loaded.tokenizer, proposer, SpecConfig())
     plain = Engine(loaded.model, loaded.tokenizer, None)
     passes = tokens = 0
