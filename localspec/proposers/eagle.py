@@ -163,7 +163,6 @@ class EagleProposer(Proposer):
         self.features = self.features[: len(tokens) - 1]
         if max_len <= 0 or len(self.features) != len(tokens) - 1 or len(tokens) < 2:
             return Draft.chain([])
-        started = time.perf_counter()
         last = self._catch_up(tokens)  # (1, h)
         stable = self.keys.shape[2]
         k = max(1, min(self.top_k, max_len))
@@ -242,7 +241,6 @@ class EagleProposer(Proposer):
             label="eagle", confidences=[math.exp(cand_logp[c]) for c in picked], steps=depth,
         )
         self._last_predicted = sum(math.exp(cand_score[c]) for c in picked) if picked else None
-        self.last_propose_seconds = time.perf_counter() - started
         return draft
 
     @staticmethod
