@@ -72,15 +72,3 @@ def int8_shape_ok(linear: torch.nn.Linear) -> bool:
     # torch 2.13's CPU kernel crashes (segfault) for more than one row when in_features is not a
     # multiple of 16; real models' widths are multiples of 64, odd layers stay in float.
     return linear.in_features % 16 == 0
-
-
-def quantize_linears_int8(model: torch.nn.Module, dtype: torch.dtype | None = None) -> int:
-    """Replace every nn.Linear under `model` by an Int8Linear in place; returns the bytes saved."""
-    saved = 0
-    for name, child in list(model.named_children()):
-        if isinstance(child, torch.nn.Linear) and int8_shape_ok(child):
-            setattr(model, name, Int8Linear.from_linear(child, dtype))
-            saved += child.weight.numel() * (child.weight.element_size() - 1)
-        elif not isinstance(child, torch.nn.Linear):
-            saved += quantize_linears_int8(child, dtype)
-    return saved

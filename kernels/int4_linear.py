@@ -100,27 +100,3 @@ class Int4Linear(torch.nn.Module):
 
 def int4_shape_ok(linear: torch.nn.Linear, group_size: int = GROUP_SIZE) -> bool:
     return linear.in_features % group_size == 0
-
-
-def quantize_linears_int4(model: torch.nn.Module, group_size: int = GROUP_SIZE, dtype: torch.dtype = torch.bfloat16) -> int:
-    """Replace every nn.Linear under `model` whose width splits into groups by an Int4Linear, in
-    place; returns how many were replaced."""
-    replaced = 0
-    for name, child in list(model.named_children()):
-        if isinstance(child, torch.nn.Linear):
-            if int4_shape_ok(child, group_size):
-                setattr(model, name, Int4Linear.from_linear(child, group_size, dtype))
-                replaced += 1
-        else:
-            replaced += quantize_linears_int4(child, group_size, dtype)
-    return replaced
-
-
-def int4_shells(model: torch.nn.Module, names: set[str], group_size: int = GROUP_SIZE, dtype: torch.dtype = torch.bfloat16) -> None:
-    """Swap the named nn.Linear modules for empty Int4Linear ones (before loading a quantized
-    state dict into a freshly built model)."""
-    for name in names:
-        parent_name, _, attr = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        linear = getattr(parent, attr)
-        setattr(parent, attr, Int4Linear(linear.in_features, linear.out_features, linear.bias is not None, group_size, dtype))

@@ -12,18 +12,17 @@ from dataclasses import dataclass
 import psutil
 import torch
 
-from localspec.config import SpecConfig
+from localspec import quant as quantization
+from localspec.config import SpecConfig, eagle_head_dir, has_eagle_head
 from localspec.costs import CostModel, WIDTHS, load_calibrations, measured_costs, save_calibration
 from localspec.engine import Engine
 from localspec.errors import LocalspecError
 from localspec.loading import LoadedModel, hub_snapshot, load_model, pick_device
 from localspec.pairing import check_tokenizers, situation
-from localspec.config import eagle_head_dir, has_eagle_head
 from localspec.proposers import DraftModelProposer, NgramProposer
 from localspec.proposers.eagle import EagleProposer
 from localspec.proposers.eagle_head import build_head, load_head
 from localspec.registry import ModelEntry, Registry, choose_proposer, load_registry, train_command
-from localspec import quant as quantization
 from localspec_kernels.cpu_linear import (
     PackedLinear, linear_bytes, pack_linears, packing_supported, set_wide_from, unpack_linears,
 )
