@@ -349,14 +349,7 @@ def load_model(
         elif snapshot is not None:
             model, tokenizer = _load_snapshot(entry, snapshot, dtype)
         else:
-            target = _cache_dir(entry, dtype)
-            loaded = _load_cache(entry, target, dtype, progress)
-            if loaded is None:
-                cold = _build_cache(entry, dtype, progress, pip_args)
-                loaded = _load_cache(entry, target, dtype, progress)
-                if loaded is None:
-                    raise LocalspecError(f"the converted copy of {entry.name!r} in {target} is unreadable")
-            model, tokenizer = loaded
+            model, tokenizer, cold = _load_converted(entry, dtype, progress, pip_args)
 
     model.to(device)
     if on_gpu_bnb:
@@ -382,6 +375,19 @@ def load_model(
     )
 
 
+def _load_converted(entry: ModelEntry, dtype: torch.dtype, progress: bool, pip_args: Sequence[str]):
+    """(model, tokenizer, cold) from the converted cache for `dtype`, converting on first use."""
+    target = _cache_dir(entry, dtype)
+    cold = False
+    loaded = _load_cache(entry, target, dtype, progress)
+    if loaded is None:
+        cold = _build_cache(entry, dtype, progress, pip_args)
+        loaded = _load_cache(entry, target, dtype, progress)
+        if loaded is None:
+            raise LocalspecError(f"the converted copy of {entry.name!r} in {target} is unreadable")
+    return (*loaded, cold)
+
+
 # --- quantized copies ------------------------------------------------------------------------
 
 
@@ -405,13 +411,7 @@ def _load_quantized(entry: ModelEntry, quant: str, snapshot: Path | None, progre
         if snapshot is not None:
             model, tokenizer = _load_snapshot(entry, snapshot, torch.float32)
         else:
-            source = _cache_dir(entry, torch.float32)
-            if (found := _load_cache(entry, source, torch.float32, progress)) is None:
-                cold = _build_cache(entry, torch.float32, progress, pip_args)
-                found = _load_cache(entry, source, torch.float32, progress)
-            if found is None:
-                raise LocalspecError(f"the converted copy of {entry.name!r} in {source} is unreadable")
-            model, tokenizer = found
+            model, tokenizer, cold = _load_converted(entry, torch.float32, progress, pip_args)
         if progress:
             print(f"quantizing {entry.name} to {quant} (first load only)...", file=sys.stderr, flush=True)
         layout = quantization.quantize_model(model, quant, torch.device("cpu"))
