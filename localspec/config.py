@@ -13,8 +13,8 @@ from localspec.errors import LocalspecError
 
 PROPOSERS = ("auto", "eagle", "ngram", "draft", "none")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-QUANTS = ("auto", "none", "int8", "int4", "nf4")
-DRAFT_QUANTS = ("auto", "none", "int8", "int4")
+QUANTS = ("auto", "none", "int8", "int4", "w8a8", "nf4")
+DRAFT_QUANTS = ("auto", "none", "int8", "int4", "w8a8")
 
 
 @dataclass(frozen=True)
@@ -54,7 +54,7 @@ class SpecConfig:
     ngram_max: int = 4
     """Longest suffix the n-gram proposer tries first."""
     draft_quant: str = "auto"
-    """auto | none | int8 | int4: the draft model's weights; auto picks the fastest measured step.
+    """auto | none | int8 | int4 | w8a8: the draft model's weights; auto picks the fastest measured step.
     Only the guesses change, never the output."""
     tree_top_k: int = 8
     """EAGLE: children kept per expanded node and nodes expanded per level."""
@@ -63,7 +63,7 @@ class SpecConfig:
     tree_depth: int | None = None
     """EAGLE: fixed depth; None drafts a level only while it pays for its head step."""
     quant: str = "auto"
-    """auto | none | int8 | int4 | nf4: the target's weights. Output is exact relative to the
+    """auto | none | int8 | int4 | w8a8 | nf4: the target's weights. Output is exact relative to the
     target as loaded; auto keeps a 4-bit published model 4-bit, else quantizes only to fit memory."""
 
     def __post_init__(self) -> None:

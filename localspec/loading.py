@@ -64,7 +64,7 @@ class LoadedModel:
     cold: bool
     """True when this load had to convert from GGUF (a dtype cast from the float32 cache is not cold)."""
     quant: str = "none"
-    """Weight format: none (dtype as loaded), int8, int4 or nf4 (activations then bf16)."""
+    """Weight format: none (dtype as loaded), int8, int4 or nf4 (activations then bf16), or w8a8."""
     verify_costs: dict[int, float] | None = None
     """Seconds of a target pass per width on the verify path in place (set by session)."""
 
@@ -334,7 +334,8 @@ def load_model(
 ) -> LoadedModel:
     """Load a registry model for inference: its hub download if pulled, else the mirror's GGUF
     through the converted cache (converting it on first use). With `quant` the weights are
-    int4/int8/nf4 and activations bf16 (`dtype` is then ignored)."""
+    int4/int8/nf4 with activations bf16, or w8a8 with float32 around int8 matmuls (`dtype` is
+    then ignored)."""
     start = time.perf_counter()
     device = device if device is not None else pick_device()
     quantization.check_supported(quant, device)
@@ -342,10 +343,12 @@ def load_model(
     cold = False
     on_gpu_bnb = quant == "nf4" or (quant == "int8" and device.type == "cuda")
     if quant != "none":
-        dtype = quantization.COMPUTE_DTYPE
+        dtype = quantization.compute_dtype(quant)
     with _transformers_quiet(progress):
         if quant != "none" and not on_gpu_bnb:
-            model, tokenizer, cold = _load_quantized(entry, quant, snapshot, progress, pip_args)
+            model, tokenizer, cold = _load_quantized(entry, quantization.stored_format(quant), snapshot, progress, pip_args)
+            if quant == "w8a8":
+                quantization.quantize_activations(model)
         elif snapshot is not None:
             model, tokenizer = _load_snapshot(entry, snapshot, dtype)
         else:

@@ -3,8 +3,11 @@
 - int4: group-wise 4-bit weights (`localspec_kernels.int4_format`), run by torch's packed int4
   matmul on the CPU and by the Triton small-M kernel on CUDA.
 - int8: per-channel 8-bit weights; torch's int8 weight-only matmul on the CPU, bitsandbytes on CUDA.
+- w8a8: the int8 weights (same cache) with each activation row quantized to int8 too, run by
+  oneDNN's VNNI int8 matmul on x86 CPUs: a 16-token verify pass then costs about 2x a one-token
+  pass instead of 5x, and the rest of the model runs in float32 (`localspec_kernels.cpu_w8a8`).
 - nf4: bitsandbytes' NF4 (CUDA only).
-Activations stay 16-bit (bf16): the CPU kernels are only fast with 16-bit activations.
+Otherwise activations stay 16-bit (bf16): the weight-only CPU kernels are only fast with them.
 
 Every nn.Linear whose width fits the format is quantized, the output layer included (for a 1.5B
 model with 151k tokens it is 15% of the weights); the token embedding is a lookup and stays
@@ -20,10 +23,20 @@ import torch
 
 from localspec.errors import LocalspecError
 from localspec_kernels.cpu_int8 import Int8Linear, int8_shape_ok, int8_supported
+from localspec_kernels.cpu_w8a8 import W8A8Linear, w8a8_supported
 from localspec_kernels.int4_linear import GROUP_SIZE, Int4Linear, cpu_int4_supported, int4_shape_ok
 
 COMPUTE_DTYPE = torch.bfloat16
-"""Activation dtype of every quantized model."""
+"""Activation dtype of the weight-only quantized models."""
+
+
+def stored_format(quant: str) -> str:
+    """The cached weight format behind `quant` (w8a8 runs the int8 weights)."""
+    return "int8" if quant == "w8a8" else quant
+
+
+def compute_dtype(quant: str) -> torch.dtype:
+    return torch.float32 if quant == "w8a8" else COMPUTE_DTYPE
 
 
 def check_supported(quant: str, device: torch.device) -> None:
@@ -42,6 +55,11 @@ def check_supported(quant: str, device: torch.device) -> None:
             raise LocalspecError("this torch build has no int4 weight-only matmul; use --quant int8 or none")
         if quant == "int8" and not int8_supported():
             raise LocalspecError("this torch build has no int8 weight-only matmul; use --quant none")
+        if quant == "w8a8" and not w8a8_supported():
+            raise LocalspecError("--quant w8a8 needs oneDNN's int8 matmul with exact sums (an x86 CPU with "
+                                 "AVX-512 VNNI or AMX); use --quant int8 or int4")
+    if quant == "w8a8" and device.type != "cpu":
+        raise LocalspecError(f"--quant w8a8 is a CPU format; on {device.type} use --quant int4")
     if device.type == "mps" and quant != "int4":
         raise LocalspecError(f"--quant {quant} is not available on MPS; use --quant int4 or none")
 
@@ -55,14 +73,14 @@ def quantize_model(model: torch.nn.Module, quant: str, device: torch.device) -> 
             continue
         if quant == "int4" and int4_shape_ok(module):
             new = Int4Linear.from_linear(module, GROUP_SIZE, COMPUTE_DTYPE)
-        elif quant == "int8" and device.type != "cuda" and int8_shape_ok(module):
+        elif quant in ("int8", "w8a8") and device.type != "cuda" and int8_shape_ok(module):
             new = Int8Linear.from_linear(module, COMPUTE_DTYPE)
         elif quant in ("int8", "nf4") and device.type == "cuda":
             new = _bitsandbytes_linear(module, quant)
         else:
             continue  # an odd width stays 16-bit
         _replace(model, name, new)
-        replaced[name] = quant
+        replaced[name] = stored_format(quant)
     if not replaced:
         raise LocalspecError(f"no layer of this model fits the {quant} format")
     return replaced
@@ -107,9 +125,20 @@ def prepare_for_cpu(model: torch.nn.Module, layout_file: Path) -> None:
         partial.unlink(missing_ok=True)
 
 
+def quantize_activations(model: torch.nn.Module) -> None:
+    """Turn a model loaded with int8 weights into w8a8: float32 outside the linears (exact from
+    bf16), and every Int8Linear run with int8 activations on oneDNN-packed weights."""
+    model.to(torch.float32)
+    for name, module in list(model.named_modules()):
+        if isinstance(module, Int8Linear):
+            _replace(model, name, W8A8Linear(module))
+
+
 def describe(model: torch.nn.Module) -> str:
     """"int4 weights" / "int8 weights" / "" for reports."""
     kinds = {type(m) for m in model.modules()}
+    if W8A8Linear in kinds:
+        return "int8 weights x int8 activations (per row)"
     if Int4Linear in kinds:
         return f"int4 weights (groups of {GROUP_SIZE})"
     if Int8Linear in kinds:

@@ -180,7 +180,9 @@ def load_models(
         raise LocalspecError(f"--dtype must be auto, float32, bfloat16 or float16, got {dtype!r}")
     device = pick_device()
     quant, quant_reason = choose_quant(entry, spec.quant, device)
-    if quant != "none":
+    if quant == "w8a8":
+        torch_dtype, dtype_reason = torch.float32, f"int8 weights and activations, float32 between them ({quant_reason})"
+    elif quant != "none":
         torch_dtype, dtype_reason = quantization.COMPUTE_DTYPE, f"{quant} weights, bfloat16 activations ({quant_reason})"
     elif dtype == "auto":
         torch_dtype, dtype_reason = choose_dtype(entry, draft_entry, proposer, spec, device, quiet)
@@ -213,11 +215,13 @@ def load_draft(entry: ModelEntry, dtype: torch.dtype, device: torch.device, spec
     elif device.type != "cpu":
         quant = "none"
     else:
-        key = f"draft-quant|{entry.name}|{dtype}|threads={torch.get_num_threads()}|torch={torch.__version__}"
+        candidates = ("none", "int8", "int4", "w8a8")
+        key = (f"draft-quant|{entry.name}|{dtype}|{'+'.join(candidates)}|threads={torch.get_num_threads()}"
+               f"|torch={torch.__version__}")
         quant = (load_calibrations().get(key) or {}).get("quant")
         if quant is None:
             steps = {}
-            for candidate in ("none", "int8", "int4"):
+            for candidate in candidates:
                 try:
                     loaded = load_model(entry, dtype, quant=candidate, device=device, progress=not quiet)
                 except LocalspecError:

@@ -13,10 +13,12 @@ from localspec.engine import Engine
 from localspec.errors import LocalspecError
 from localspec.proposers import DraftModelProposer, NgramProposer
 from localspec_kernels.cpu_int8 import Int8Linear
+from localspec_kernels.cpu_w8a8 import W8A8Linear, w8a8_linear_reference, w8a8_supported
 from localspec_kernels.int4_format import int4_matmul_reference, quantize_int4
 from localspec_kernels.int4_linear import Int4Linear, cpu_int4_supported
 
 needs_int4 = pytest.mark.skipif(not cpu_int4_supported(), reason="this torch build has no CPU int4 matmul")
+needs_w8a8 = pytest.mark.skipif(not w8a8_supported(), reason="no exact oneDNN int8 matmul on this machine")
 
 
 @needs_int4
@@ -49,17 +51,38 @@ def test_int4_quantization_error_is_at_most_half_a_step():
     assert bool((error <= scales[..., None] / 2 + 1e-6).all())
 
 
+@needs_w8a8
+@pytest.mark.parametrize("out_features, in_features", [(48, 64), (257, 96), (96, 1024)])
+def test_w8a8_linear_sums_exactly_and_each_row_alone(out_features, in_features):
+    torch.manual_seed(out_features)
+    linear = torch.nn.Linear(in_features, out_features)
+    linear.weight.data *= torch.linspace(0.1, 4, in_features)  # uneven channels, as in real models
+    layer = W8A8Linear(Int8Linear.from_linear(linear, torch.float32))
+    x = torch.randn(16, in_features) * torch.linspace(5, 0.01, in_features)
+    x[3, 7] = 300.0  # an outlier row
+    out = layer(x)
+    assert torch.equal(out, w8a8_linear_reference(x, layer.qweight, layer.scales, layer.bias))
+    for rows in (slice(0, 1), slice(3, 4), slice(5, 12)):  # a row computes the same in any company
+        assert torch.equal(layer(x[rows]), out[rows])
+    plain = torch.cat([x[:3], x[4:]])  # without the outlier row, whose other entries lose precision
+    relative = (layer(plain) - linear(plain)).norm() / linear(plain).norm()
+    assert relative < 0.04  # 8-bit weights and activations stay close to the float layer
+
+
 def quantized_tiny(quant: str, seed: int = 0):
     model = tiny_model("llama", seed=seed, hidden=64)
     quantization.quantize_model(model, quant, torch.device("cpu"))
-    return model.to(quantization.COMPUTE_DTYPE)
+    model.to(quantization.COMPUTE_DTYPE)
+    if quant == "w8a8":
+        quantization.quantize_activations(model)
+    return model
 
 
-@pytest.mark.parametrize("quant", [pytest.param("int4", marks=needs_int4), "int8"])
+@pytest.mark.parametrize("quant", [pytest.param("int4", marks=needs_int4), "int8", pytest.param("w8a8", marks=needs_w8a8)])
 def test_greedy_on_a_quantized_target_is_that_targets_own_greedy_output(quant):
     target = quantized_tiny(quant)
     kinds = {type(m) for m in target.modules()}
-    assert (Int4Linear if quant == "int4" else Int8Linear) in kinds
+    assert {"int4": Int4Linear, "int8": Int8Linear, "w8a8": W8A8Linear}[quant] in kinds
     expected = hf_greedy(target, PROMPT_IDS, 40)
     drafts = [None, NgramProposer(), DraftModelProposer(target), DraftModelProposer(quantized_tiny(quant, seed=1))]
     for proposer in drafts:
@@ -72,6 +95,8 @@ def test_greedy_on_a_quantized_target_is_that_targets_own_greedy_output(quant):
 def test_unsupported_formats_fail_in_one_line():
     with pytest.raises(LocalspecError, match="nf4 needs bitsandbytes on a CUDA GPU"):
         quantization.check_supported("nf4", torch.device("cpu"))
+    with pytest.raises(LocalspecError, match="w8a8 is a CPU format"):
+        quantization.check_supported("w8a8", torch.device("mps"))
     with pytest.raises(LocalspecError, match="--quant must be one of"):
         SpecConfig(quant="int3")
 
@@ -118,3 +143,24 @@ def test_quantized_cache_reloads_the_same_model_and_survives_corruption(tmp_path
     rebuilt = loading.load_model(entry, torch.float32, quant="int4", progress=False)
     with torch.no_grad():
         assert torch.equal(rebuilt.model(ids).logits, expected)
+
+
+@pytest.mark.real_model
+@needs_w8a8
+def test_w8a8_runs_the_int8_cache_and_speculation_reproduces_its_greedy_output():
+    import localspec.loading as loading
+    from localspec.registry import load_registry
+
+    entry = load_registry().get("smollm2-135m")
+    loaded = loading.load_model(entry, torch.bfloat16, quant="w8a8", progress=False)
+    assert loaded.quant == "w8a8" and loaded.dtype == torch.float32
+    assert (loading._quant_dir(entry, "int8") / "complete").is_file(), "w8a8 reads the int8 weights' cache"
+    layers = [m for m in loaded.model.modules() if isinstance(m, W8A8Linear)]
+    assert len(layers) == 30 * 7 + 1  # every projection and the output layer
+    assert all(p.dtype == torch.float32 for p in loaded.model.parameters())
+    ids = loaded.tokenizer("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n", return_tensors="pt").input_ids[0].tolist()
+    expected = hf_greedy(loaded.model, ids, 32)
+    for proposer in (NgramProposer(), DraftModelProposer(loaded.model)):
+        engine = Engine(loaded.model, None, proposer, SpecConfig(draft_len=6))
+        out = [p.token_id for ev in engine.generate(ids, limits=GenerationLimits(32)) for p in ev.pieces]
+        assert out == expected, proposer
