@@ -13,34 +13,36 @@ against 16-bit activations; `localspec bench --quant w8a8,int4` shows by how muc
 
 The weights are the per-channel int8 weights of `cpu_int8` (same cache). oneDNN wants them in its
 own blocked layout, made once per load (5-7 s for a 1.5B model; oneDNN's packed tensors cannot be
-saved). torch._int_mm needs no packing but measured 20-40% slower for 2-16 rows.
+saved) on a background thread; until a layer's packed weight is ready it runs through
+torch._int_mm, which needs no packing but measured 20-40% slower for 2-16 rows.
 """
 
 from __future__ import annotations
 
+import atexit
 import functools
+import threading
 
 import torch
 
 from localspec_kernels.cpu_int8 import Int8Linear
 
 ZERO_POINT = 128
-"""oneDNN multiplies unsigned by signed bytes: activations are stored as q + 128."""
+"""oneDNN multiplies unsigned by signed bytes: activations go in as q + 128."""
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(M, K) float -> (M, K) uint8 (q + 128, q in [-127, 127]) and (M, 1) float32 row scales."""
+    """(M, K) float -> (M, K) float32 holding integers in [-127, 127], and (M, 1) row scales."""
     x = x.float()
     scales = x.abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / 127.0  # (M, 1)
-    q = torch.round(x / scales).clamp_(-127, 127).add_(ZERO_POINT).to(torch.uint8)  # (M, K)
-    return q, scales
+    return torch.round(x / scales).clamp_(-127, 127), scales
 
 
 def w8a8_linear_reference(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """The plain torch meaning of W8A8Linear: integer products summed exactly, then scaled."""
     rows = x.reshape(-1, x.shape[-1])
     q, row_scales = quantize_rows(rows)
-    acc = (q.to(torch.int64) - ZERO_POINT) @ qweight.to(torch.int64).t()  # (M, N) exact
+    acc = q.to(torch.int64) @ qweight.to(torch.int64).t()  # (M, N) exact
     out = acc.float() * scales.float() * row_scales  # same rounding steps as the kernel
     if bias is not None:
         out = out + bias.float()
@@ -66,18 +68,25 @@ def w8a8_supported() -> bool:
         x[0, 1:] = 127.0
         x[1, 1:] = -127.0
         scales = torch.ones(32)
-        got = _matmul(quantize_rows(x)[0], prepack(weight, [1, 64]), scales)
+        q = quantize_rows(x)[0]
         want = (x.to(torch.int64) @ weight.to(torch.int64).t()).float()
-        return torch.equal(got, want)
+        packed = _matmul(q, prepack(weight, [1, 64]), scales)
+        return torch.equal(packed, want) and torch.equal(_matmul_unpacked(q, weight, scales), want)
     except RuntimeError:
         return False
 
 
 def _matmul(q: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """(M, K) uint8 x prepacked (N, K) int8 -> (M, N) float32 = int32 sum * scales[n]."""
+    """(M, K) integer-valued float x prepacked (N, K) int8 -> (M, N) float32 = int32 sum * scales[n]."""
     zero_points = torch.zeros(scales.shape[0], dtype=torch.long)
+    shifted = q.add(ZERO_POINT).to(torch.uint8)  # (M, K): oneDNN multiplies unsigned by signed bytes
     return torch.ops.onednn.qlinear_pointwise(
-        q, 1.0, ZERO_POINT, packed, scales, zero_points, None, 1.0, 0, torch.float32, "none", [], "")
+        shifted, 1.0, ZERO_POINT, packed, scales, zero_points, None, 1.0, 0, torch.float32, "none", [], "")
+
+
+def _matmul_unpacked(q: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The same product through torch._int_mm, while the packed weight is not ready yet."""
+    return torch._int_mm(q.to(torch.int8), qweight.t()).float() * scales  # (M, N)
 
 
 class W8A8Linear(torch.nn.Module):
@@ -90,14 +99,51 @@ class W8A8Linear(torch.nn.Module):
         self.register_buffer("scales", source.scales)  # (out,)
         self.bias = source.bias
         self._scales32 = source.scales.float()  # (out,) what the kernel multiplies by
-        self._packed = torch.ops.onednn.qlinear_prepack(source.qweight, [1, source.in_features])
+        self._packed: torch.Tensor | None = None  # oneDNN's layout, set by `start_packing`'s thread
+        self._packing: threading.Thread | None = None
+
+    def pack(self) -> None:
+        self._packed = torch.ops.onednn.qlinear_prepack(self.qweight, [1, self.in_features])
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., in) -> (..., out)
-        q, row_scales = quantize_rows(x.reshape(-1, x.shape[-1]))  # (M, in) uint8, (M, 1)
-        out = _matmul(q, self._packed, self._scales32) * row_scales  # (M, out) float32
+        q, row_scales = quantize_rows(x.reshape(-1, x.shape[-1]))  # (M, in), (M, 1)
+        packed = self._packed
+        if packed is not None:
+            out = _matmul(q, packed, self._scales32) * row_scales  # (M, out) float32
+        else:  # the same exact sums, so the output does not change when packing lands
+            out = _matmul_unpacked(q, self.qweight, self._scales32) * row_scales
         if self.bias is not None:
             out = out + self.bias.float()
         return out.to(x.dtype).reshape(*x.shape[:-1], out.shape[-1])
+
+
+def start_packing(model: torch.nn.Module) -> None:
+    """Pack the model's W8A8 weights on a background thread: the model is usable at once (the
+    unpacked path computes the same numbers), and the 5-7 s of packing a 1.5B model overlaps the
+    first prompt instead of delaying the load. A process that exits early stops it between layers."""
+    layers = [m for m in model.modules() if isinstance(m, W8A8Linear) and m._packed is None]
+    if not layers:
+        return
+    stop = threading.Event()
+
+    def run() -> None:
+        for layer in layers:
+            if stop.is_set():
+                return
+            layer.pack()
+
+    thread = threading.Thread(target=run, name="localspec-w8a8-packing", daemon=True)
+    for layer in layers:
+        layer._packing = thread
+    thread.start()
+    atexit.register(lambda: (stop.set(), thread.join()))
+
+
+def wait_for_packing(model: torch.nn.Module) -> None:
+    """Block until the model's W8A8 weights are packed (timings must see the steady state)."""
+    for m in model.modules():
+        if isinstance(m, W8A8Linear) and m._packing is not None:
+            m._packing.join()

@@ -18,6 +18,7 @@ import torch
 
 from localspec.config import home_dir
 from localspec.kv import KVCache
+from localspec_kernels.cpu_w8a8 import wait_for_packing
 
 WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16)
 CALIBRATION_PREFIX = 128
@@ -87,6 +88,7 @@ def time_forward(model: torch.nn.Module, widths: tuple[int, ...], repeats: int =
     Widths are measured in interleaved rounds, so a burst of other work on the machine spoils one
     sample of each width rather than every sample of one.
     """
+    wait_for_packing(model)
     device = next(model.parameters()).device
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(0)

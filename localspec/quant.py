@@ -23,7 +23,7 @@ import torch
 
 from localspec.errors import LocalspecError
 from localspec_kernels.cpu_int8 import Int8Linear, int8_shape_ok, int8_supported
-from localspec_kernels.cpu_w8a8 import W8A8Linear, w8a8_supported
+from localspec_kernels.cpu_w8a8 import W8A8Linear, start_packing, w8a8_supported
 from localspec_kernels.int4_linear import GROUP_SIZE, Int4Linear, cpu_int4_supported, int4_shape_ok
 
 COMPUTE_DTYPE = torch.bfloat16
@@ -127,11 +127,13 @@ def prepare_for_cpu(model: torch.nn.Module, layout_file: Path) -> None:
 
 def quantize_activations(model: torch.nn.Module) -> None:
     """Turn a model loaded with int8 weights into w8a8: float32 outside the linears (exact from
-    bf16), and every Int8Linear run with int8 activations on oneDNN-packed weights."""
+    bf16), and every Int8Linear run with int8 activations (weights packed for oneDNN in the
+    background)."""
     model.to(torch.float32)
     for name, module in list(model.named_modules()):
         if isinstance(module, Int8Linear):
             _replace(model, name, W8A8Linear(module))
+    start_packing(model)
 
 
 def describe(model: torch.nn.Module) -> str:

@@ -13,7 +13,7 @@ from localspec.engine import Engine
 from localspec.errors import LocalspecError
 from localspec.proposers import DraftModelProposer, NgramProposer
 from localspec_kernels.cpu_int8 import Int8Linear
-from localspec_kernels.cpu_w8a8 import W8A8Linear, w8a8_linear_reference, w8a8_supported
+from localspec_kernels.cpu_w8a8 import W8A8Linear, w8a8_linear_reference, w8a8_supported, wait_for_packing
 from localspec_kernels.int4_format import int4_matmul_reference, quantize_int4
 from localspec_kernels.int4_linear import Int4Linear, cpu_int4_supported
 
@@ -60,8 +60,11 @@ def test_w8a8_linear_sums_exactly_and_each_row_alone(out_features, in_features):
     layer = W8A8Linear(Int8Linear.from_linear(linear, torch.float32))
     x = torch.randn(16, in_features) * torch.linspace(5, 0.01, in_features)
     x[3, 7] = 300.0  # an outlier row
+    unpacked = layer(x)  # torch._int_mm, before the weight is packed for oneDNN
+    layer.pack()
     out = layer(x)
     assert torch.equal(out, w8a8_linear_reference(x, layer.qweight, layer.scales, layer.bias))
+    assert torch.equal(unpacked, out), "packing must not change a single bit"
     for rows in (slice(0, 1), slice(3, 4), slice(5, 12)):  # a row computes the same in any company
         assert torch.equal(layer(x[rows]), out[rows])
     plain = torch.cat([x[:3], x[4:]])  # without the outlier row, whose other entries lose precision
@@ -101,12 +104,15 @@ def test_unsupported_formats_fail_in_one_line():
         SpecConfig(quant="int3")
 
 
-def test_auto_format_keeps_a_4bit_source_4bit_and_otherwise_fits_memory(monkeypatch):
+def test_auto_format_prefers_w8a8_on_a_capable_cpu_then_keeps_a_4bit_source_4bit_then_fits_memory(monkeypatch):
     from localspec import session
     from localspec.registry import load_registry
 
     registry = load_registry()
     cpu = torch.device("cpu")
+    monkeypatch.setattr(session, "w8a8_supported", lambda: True)
+    assert session.choose_quant(registry.get("qwen2.5-coder-1.5b"), "auto", cpu)[0] == "w8a8"
+    monkeypatch.setattr(session, "w8a8_supported", lambda: False)
     assert session.choose_quant(registry.get("qwen2.5-coder-1.5b"), "auto", cpu)[0] == "int4"  # Q4_K_M mirror
     assert session.choose_quant(registry.get("qwen2.5-coder-1.5b"), "none", cpu) == ("none", "--quant none")
     big = next(e for e in registry.models.values() if e.mirror is None and e.params >= 7)
@@ -116,6 +122,10 @@ def test_auto_format_keeps_a_4bit_source_4bit_and_otherwise_fits_memory(monkeypa
             self.available = available
 
     for free, expected in [(64e9, "none"), (12e9, "int8"), (6e9, "int4")]:
+        monkeypatch.setattr(session.psutil, "virtual_memory", lambda free=free: Memory(free))
+        assert session.choose_quant(big, "auto", cpu)[0] == expected, free
+    monkeypatch.setattr(session, "w8a8_supported", lambda: True)
+    for free, expected in [(64e9, "w8a8"), (6e9, "int4")]:  # int8 weights must fit, else 4-bit
         monkeypatch.setattr(session.psutil, "virtual_memory", lambda free=free: Memory(free))
         assert session.choose_quant(big, "auto", cpu)[0] == expected, free
 
@@ -157,6 +167,8 @@ def test_w8a8_runs_the_int8_cache_and_speculation_reproduces_its_greedy_output()
     assert (loading._quant_dir(entry, "int8") / "complete").is_file(), "w8a8 reads the int8 weights' cache"
     layers = [m for m in loaded.model.modules() if isinstance(m, W8A8Linear)]
     assert len(layers) == 30 * 7 + 1  # every projection and the output layer
+    wait_for_packing(loaded.model)
+    assert all(m._packed is not None for m in layers)
     assert all(p.dtype == torch.float32 for p in loaded.model.parameters())
     ids = loaded.tokenizer("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n", return_tensors="pt").input_ids[0].tolist()
     expected = hf_greedy(loaded.model, ids, 32)
