@@ -122,8 +122,8 @@ class W8A8Linear(torch.nn.Module):
 
 def start_packing(model: torch.nn.Module) -> None:
     """Pack the model's W8A8 weights on a background thread: the model is usable at once (the
-    unpacked path computes the same numbers), and the 5-7 s of packing a 1.5B model overlaps the
-    first prompt instead of delaying the load. A process that exits early stops it between layers."""
+    unpacked path computes the same numbers), and the 5-7 s of packing a 1.5B model overlaps
+    whatever the caller loads next. A process that exits early stops it between layers."""
     layers = [m for m in model.modules() if isinstance(m, W8A8Linear) and m._packed is None]
     if not layers:
         return

@@ -22,7 +22,6 @@ from localspec.config import GenerationLimits, SamplingConfig, SpecConfig, has_e
 from localspec.errors import LocalspecError
 from localspec.registry import choose_proposer, load_registry
 from localspec.session import describe_weights, draft_entry_for, load_models, make_engine
-from localspec_kernels.cpu_w8a8 import wait_for_packing
 
 HF_MODES = ("hf-plain", "hf-assisted", "hf-prompt-lookup")
 
@@ -151,9 +150,6 @@ def bench_weights(args, entry, registry, prompts, wanted, spec: SpecConfig, labe
     draft_entry = draft_entry_for(registry, entry) if "draft" in wanted else None
     dtype_for = "draft" if draft_entry else "ngram"
     target, draft, dtype_reason = load_models(entry, draft_entry, dtype_for, args.dtype, spec, quiet=False)
-    for loaded in (target, draft):
-        if loaded is not None:
-            wait_for_packing(loaded.model)  # the bench measures the steady state
     print(f"localspec: bench {entry.name}, {describe_weights(target)} ({dtype_reason}), "
           f"{len(prompts)} prompts x {args.max_new_tokens} tokens", file=sys.stderr)
 

@@ -13,7 +13,7 @@ import psutil
 import torch
 
 from localspec import quant as quantization
-from localspec_kernels.cpu_w8a8 import w8a8_supported
+from localspec_kernels.cpu_w8a8 import w8a8_supported, wait_for_packing
 from localspec.config import SpecConfig, eagle_head_dir, has_eagle_head
 from localspec.costs import CostModel, WIDTHS, load_calibrations, measured_costs, save_calibration
 from localspec.engine import Engine
@@ -195,6 +195,11 @@ def load_models(
         torch_dtype, dtype_reason = DTYPE_NAMES[dtype], f"--dtype {dtype}"
     target = load_model(entry, torch_dtype, quant=quant, device=device, progress=not quiet)
     draft = load_draft(draft_entry, torch_dtype, device, spec, quiet) if draft_entry else None
+    # w8a8 packing ran behind the draft's load; generation waits for it, so that the speed guard
+    # and the measured history see the steady state
+    for loaded in (target, draft):
+        if loaded is not None:
+            wait_for_packing(loaded.model)
     if draft is not None:
         refused = check_tokenizers(entry.name, target.tokenizer, draft_entry.name, draft.tokenizer)
         if refused:
