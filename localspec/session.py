@@ -13,7 +13,6 @@ import psutil
 import torch
 
 from localspec import quant as quantization
-from localspec_kernels.cpu_w8a8 import w8a8_supported, wait_for_packing
 from localspec.config import SpecConfig, eagle_head_dir, has_eagle_head
 from localspec.costs import CostModel, WIDTHS, load_calibrations, measured_costs, save_calibration
 from localspec.engine import Engine
@@ -27,6 +26,7 @@ from localspec.registry import ModelEntry, Registry, choose_proposer, load_regis
 from localspec_kernels.cpu_linear import (
     PackedLinear, linear_bytes, pack_linears, packing_supported, set_wide_from, unpack_linears,
 )
+from localspec_kernels.cpu_w8a8 import w8a8_supported, wait_for_packing
 
 PACKING_MEMORY_MARGIN = 1 << 30
 """Free memory to leave beside the packed weight copies."""
@@ -185,10 +185,10 @@ def load_models(
         raise LocalspecError(f"--dtype must be auto, float32, bfloat16 or float16, got {dtype!r}")
     device = pick_device()
     quant, quant_reason = choose_quant(entry, spec.quant, device)
-    if quant == "w8a8":
-        torch_dtype, dtype_reason = torch.float32, f"int8 weights and activations, float32 between them ({quant_reason})"
-    elif quant != "none":
-        torch_dtype, dtype_reason = quantization.COMPUTE_DTYPE, f"{quant} weights, bfloat16 activations ({quant_reason})"
+    if quant != "none":
+        torch_dtype = quantization.compute_dtype(quant)
+        how = "int8 weights and activations, float32 between them" if quant == "w8a8" else f"{quant} weights, bfloat16 activations"
+        dtype_reason = f"{how} ({quant_reason})"
     elif dtype == "auto":
         torch_dtype, dtype_reason = choose_dtype(entry, draft_entry, proposer, spec, device, quiet)
     else:
