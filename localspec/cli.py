@@ -19,7 +19,8 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-len", type=int, default=None, help="fixed draft length (default: adaptive, from measured costs)")
     p.add_argument("--max-draft-len", type=int, default=15, help="upper bound for the adaptive draft length")
     p.add_argument("--quant", default="auto", metavar="|".join(QUANTS),
-                   help="target weights (auto: 4-bit when the published model is 4-bit, else only to fit memory); "
+                   help="target weights (auto: w8a8 on a CPU that multiplies int8 exactly, else 4-bit when the "
+                   "published model is 4-bit, else only to fit memory); "
                    "bench takes a comma list to compare them side by side")
     p.add_argument("--draft-quant", default="auto", choices=DRAFT_QUANTS, help="draft weights (auto: the fastest measured step)")
     p.add_argument("--tree-top-k", type=int, default=8, help="EAGLE: children per expanded node")

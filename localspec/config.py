@@ -64,7 +64,8 @@ class SpecConfig:
     """EAGLE: fixed depth; None drafts a level only while it pays for its head step."""
     quant: str = "auto"
     """auto | none | int8 | int4 | w8a8 | nf4: the target's weights. Output is exact relative to the
-    target as loaded; auto keeps a 4-bit published model 4-bit, else quantizes only to fit memory."""
+    target as loaded; auto takes w8a8 on a CPU that multiplies int8 exactly, else keeps a 4-bit
+    published model 4-bit, else quantizes only to fit memory."""
 
     def __post_init__(self) -> None:
         if self.proposer not in PROPOSERS:
