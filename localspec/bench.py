@@ -79,6 +79,7 @@ def run_localspec(engine, prompt: str, max_new: int) -> dict:
         "cost_ratio_c": stats.cost_ratio, "ttft_seconds": stats.ttft_seconds, "output_ids": tokens,
         "mean_accepted_length": stats.accepted / stats.passes if stats.passes else 0.0,
         "accepted_length_histogram": stats.accepted_hist, "draft_steps": stats.draft_steps,
+        "lookup_passes": stats.lookup_passes, "lookup_accepted": stats.lookup_accepted,
     }
 
 

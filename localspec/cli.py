@@ -28,6 +28,8 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tree-depth", type=int, default=None, help="EAGLE: fixed depth (default: while a level pays)")
     p.add_argument("--ngram-min", type=int, default=1, help="shortest suffix prompt lookup matches")
     p.add_argument("--ngram-max", type=int, default=4, help="longest suffix prompt lookup tries first")
+    p.add_argument("--no-lookup", action="store_true",
+                   help="draft/EAGLE: do not add prompt lookup's guesses to the model's (default: add them)")
 
 
 def _add_sampling_options(p: argparse.ArgumentParser) -> None:
@@ -106,7 +108,7 @@ def spec_from(args: argparse.Namespace, proposer: str) -> SpecConfig:
         proposer=proposer, draft_len=args.draft_len, max_draft_len=args.max_draft_len,
         ngram_min=args.ngram_min, ngram_max=args.ngram_max, draft_quant=args.draft_quant,
         quant=getattr(args, "quant", "auto"), tree_top_k=args.tree_top_k, tree_nodes=args.tree_nodes,
-        tree_depth=args.tree_depth,
+        tree_depth=args.tree_depth, lookup=not args.no_lookup,
     )
 
 

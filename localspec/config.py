@@ -62,6 +62,9 @@ class SpecConfig:
     """EAGLE: fixed tree size; None sizes each tree from the measured verify cost per width."""
     tree_depth: int | None = None
     """EAGLE: fixed depth; None drafts a level only while it pays for its head step."""
+    lookup: bool = True
+    """Model proposers (draft, EAGLE) also offer prompt lookup's guess in the same verify pass, and
+    skip their own drafting when the lookup alone is expected to pay more. Output is unchanged."""
     quant: str = "auto"
     """auto | none | int8 | int4 | w8a8 | nf4: the target's weights. Output is exact relative to the
     target as loaded; auto takes w8a8 on a CPU that multiplies int8 exactly, else keeps a 4-bit

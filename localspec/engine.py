@@ -20,9 +20,11 @@ from localspec.costs import AcceptanceTracker, CostModel, SpeedGuard
 from localspec.errors import LocalspecError
 from localspec.kv import KVCache
 from localspec.proposers.base import Proposer
+from localspec.proposers.draft_model import common_prefix
+from localspec.proposers.ngram import NgramProposer
 from localspec.sampling import make_generator
 from localspec.stats import GenerationStats
-from localspec.tree import Draft, verify_inputs
+from localspec.tree import Draft, graft, matched_path, verify_inputs
 from localspec.verify import verify
 
 PREFILL_CHUNK = 512
@@ -35,6 +37,17 @@ class Piece:
     token_id: int
     from_draft: bool
     """True when a proposer guessed this token and the target accepted it."""
+
+
+@dataclass
+class Proposal:
+    """What one pass verifies, and whose guesses it holds: each part is judged on its own."""
+
+    draft: Draft
+    model: Draft | None = None
+    """The model proposer's own guesses (draft model, EAGLE), when it drafted this pass."""
+    lookup: Draft | None = None
+    """Prompt lookup's guesses (a chain), judged under their label."""
 
 
 @dataclass
@@ -145,6 +158,10 @@ class Engine:
         self.kv = KVCache()
         self.kv_tokens: list[int] = []  # the token ids whose keys/values self.kv holds
         self.acceptance: dict[str, AcceptanceTracker] = defaultdict(AcceptanceTracker)
+        # a model proposer also carries prompt lookup's guesses: free, and right where text repeats
+        self.lookup = NgramProposer(spec.ngram_min, spec.ngram_max) if spec.lookup and proposer is not None and proposer.has_model else None
+        self.model_rate: float | None = None
+        """Tokens per second of the passes the model proposer drafted for (a running average)."""
         self.max_nodes = 64
         """Most draft nodes per pass; halved when a wide pass runs out of memory."""
         self.guard = SpeedGuard(costs.verify(1)) if costs is not None else None
@@ -254,33 +271,72 @@ class Engine:
         self._confidence_tracker(confidences[-1]).update(0, 0)
         return False
 
-    def _propose(self, tokens: list[int], room: int, sampling: SamplingConfig, generator) -> tuple[Draft, str]:
-        """This pass's draft (at most room - 1 tokens, so the pass's own token fits too) and the
-        label whose acceptance estimate it updates."""
-        nothing = Draft.chain([])
+    def _propose(self, tokens: list[int], room: int, sampling: SamplingConfig, generator) -> Proposal:
+        """This pass's guesses: at most room - 1 tokens, so the pass's own token fits too."""
+        nothing = Proposal(Draft.chain([]))
         if self.proposer is None or room <= 1 or (self.guard is not None and not self.guard.allows):
-            return nothing, ""
+            return nothing
         limit = min(room - 1, self.max_nodes)
         try:
-            if self.proposer.builds_trees:  # sized by the proposer from the same measured costs
-                return self.proposer.propose(tokens, limit, sampling, generator), ""
-            if self.proposer.has_model:  # each guess costs a draft step: stop when the next is not worth it
-                if self.spec.draft_len is not None:
-                    return self.proposer.propose(tokens, min(self.spec.draft_len, limit), sampling, generator), ""
-                longest = min(limit, self.spec.max_draft_len)
-                worth = self._worth_another if self.costs is not None else None
-                return self.proposer.propose(tokens, longest, sampling, generator, worth), ""
-            # a lookup guesses as far as it can for free; keep the prefix that pays for its label
-            longest = min(limit, self.spec.draft_len or self.spec.max_draft_len)
-            guess = self.proposer.propose(tokens, longest, sampling, generator)
-            # a chain keeps the prefix that pays; a tree's shape is its proposer's choice
-            keep = self._draft_len(guess.label, len(guess)) if guess.is_chain else limit
-            return guess.first(keep), guess.label
+            if not self.proposer.has_model:
+                guess = self._lookup_guess(self.proposer, tokens, limit, sampling, generator)
+                return Proposal(guess, lookup=guess)
+            guess = self._lookup_guess(self.lookup, tokens, limit, sampling, generator) if self.lookup else Draft.chain([])
+            if len(guess) and self._lookup_alone_pays(guess):
+                self.stats.lookup_passes += 1
+                return Proposal(guess, lookup=guess)
+            own = self._model_draft(tokens, limit - len(guess), sampling, generator)
+            return Proposal(graft(own, guess.tokens), model=own, lookup=guess if len(guess) else None)
         except Exception as exc:  # a broken proposer must not end the stream: go on plainly
             self.stats.notices.append(f"proposer failed ({exc!r}); continuing with plain decoding")
             self.proposer.close()
-            self.proposer = None
-            return nothing, ""
+            self.proposer = self.lookup = None
+            return nothing
+
+    def _lookup_guess(self, lookup: Proposer, tokens: list[int], limit: int, sampling: SamplingConfig, generator) -> Draft:
+        """A lookup guesses as far as it can for free; keep the prefix that pays for its label."""
+        guess = lookup.propose(tokens, min(limit, self.spec.draft_len or self.spec.max_draft_len), sampling, generator)
+        return guess.first(self._draft_len(guess.label, len(guess)))
+
+    def _lookup_alone_pays(self, guess: Draft) -> bool:
+        """Whether verifying the lookup's guess alone is expected to beat the model proposer's
+        measured rate, so this pass need not spend the model's drafting time."""
+        if self.costs is None or self.model_rate is None:
+            return False
+        rate = self.acceptance[guess.label].rate
+        expected = 1.0 + sum(rate**i for i in range(1, len(guess) + 1))
+        return expected / self.costs.verify(len(guess) + 1) >= self.model_rate
+
+    def _model_draft(self, tokens: list[int], limit: int, sampling: SamplingConfig, generator) -> Draft:
+        if limit <= 0:
+            return Draft.chain([])
+        if self.proposer.builds_trees:  # sized by the proposer from the same measured costs
+            return self.proposer.propose(tokens, limit, sampling, generator)
+        if self.spec.draft_len is not None:
+            return self.proposer.propose(tokens, min(self.spec.draft_len, limit), sampling, generator)
+        # each guess costs a draft step: stop when the next is not worth it
+        worth = self._worth_another if self.costs is not None else None
+        return self.proposer.propose(tokens, min(limit, self.spec.max_draft_len), sampling, generator, worth)
+
+    def _judge(self, proposal: Proposal, accepted: list[int], seconds: float) -> None:
+        """Credit each part of the proposal with the accepted tokens it had guessed."""
+        if proposal.lookup is not None:
+            self.acceptance[proposal.lookup.label].update(len(proposal.lookup), common_prefix(proposal.lookup.tokens, accepted))
+        if proposal.model is None:
+            if self.proposer is not None and self.proposer.has_model:
+                self.stats.lookup_accepted += len(accepted)
+            return
+        own = proposal.model
+        path = matched_path(own, accepted)
+        self.stats.lookup_accepted += len(accepted) - len(path)
+        self.stats.draft_steps += own.steps if own.steps is not None else len(own)
+        rate = (len(accepted) + 1) / seconds
+        self.model_rate = rate if self.model_rate is None else 0.8 * self.model_rate + 0.2 * rate
+        if own.is_chain:  # per guess: accepted ones succeeded, the first rejected one failed, later ones were never judged
+            for i, confidence in enumerate(own.confidences[: len(path) + 1]):
+                self._confidence_tracker(confidence).update(1, 1 if i < len(path) else 0)
+        if self.proposer is not None:
+            self.proposer.judged(len(path))
 
     def _observe(self, start: int, kept: list[int] | None) -> None:
         if self.proposer is None:
@@ -357,21 +413,15 @@ class Engine:
         first_at = None
         while True:
             t0 = time.perf_counter()
-            draft, label = self._propose(tokens, budget - produced, sampling, generator)
+            proposal = self._propose(tokens, budget - produced, sampling, generator)
             t1 = time.perf_counter()
-            draft, verdict = self._verify_pass(tokens, draft, sampling, generator)
+            draft, verdict = self._verify_pass(tokens, proposal.draft, sampling, generator)
             t2 = time.perf_counter()
             accepted = len(verdict.accepted)
             stats.record_pass(len(draft), accepted, t1 - t0, t2 - t1)
             if self.guard is not None and (notice := self.guard.record(len(draft), accepted + 1, t2 - t0)):
                 stats.notices.append(notice)
-            if self.proposer is not None and self.proposer.has_model:
-                stats.draft_steps += draft.steps if draft.steps is not None else len(draft)
-            if label:
-                self.acceptance[label].update(len(draft), accepted)
-            # per guess: accepted ones succeeded, the first rejected one failed, later ones were never judged
-            for i, confidence in enumerate(draft.confidences[: accepted + 1]):
-                self._confidence_tracker(confidence).update(1, 1 if i < accepted else 0)
+            self._judge(proposal, [draft.tokens[n] for n in verdict.accepted], t2 - t0)
 
             new = [(draft.tokens[n], True) for n in verdict.accepted] + [(verdict.next_token, False)]
             event = TokenEvent()

@@ -35,6 +35,10 @@ class GenerationStats:
     """Passes by how many drafted tokens they accepted (for a tree: the depth of the accepted path)."""
     draft_steps: int = 0
     """Draft model forward passes (0 for lookups)."""
+    lookup_passes: int = 0
+    """Passes that verified prompt lookup's guess alone, since it was expected to beat the model proposer."""
+    lookup_accepted: int = 0
+    """With a model proposer: accepted tokens that only prompt lookup had guessed."""
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     prefill_seconds: float = 0.0
@@ -102,12 +106,14 @@ class GenerationStats:
         return tps * self.plain_token_seconds if self.plain_token_seconds > 0 else 0.0
 
     def summary(self) -> str:
+        lookup = (f", prompt lookup +{self.lookup_accepted} tokens ({self.lookup_passes} passes alone)"
+                  if self.lookup_accepted or self.lookup_passes else "")
         return (
             f"[{self.proposer}] {self.new_tokens} tokens, {self.decode_tokens_per_second:.2f} tok/s, "
             f"TTFT {self.ttft_seconds * 1000:.0f} ms, acceptance {self.acceptance_rate:.0%}, "
             f"{self.mean_tokens_per_pass:.2f} tokens/pass, draft len {self.mean_draft_len:.1f}, "
             f"c {self.cost_ratio:.2f}, speedup {self.measured_speedup:.2f}x "
-            f"(formula {self.predicted_speedup:.2f}x), stop: {self.stop_reason}"
+            f"(formula {self.predicted_speedup:.2f}x){lookup}, stop: {self.stop_reason}"
         )
 
     def to_dict(self) -> dict:
@@ -125,6 +131,8 @@ class GenerationStats:
             "mean_tokens_per_pass": self.mean_tokens_per_pass,
             "mean_draft_len": self.mean_draft_len,
             "draft_steps": self.draft_steps,
+            "lookup_passes": self.lookup_passes,
+            "lookup_accepted": self.lookup_accepted,
             "draft_seconds": self.draft_seconds,
             "verify_seconds": self.verify_seconds,
             "cost_ratio_c": self.cost_ratio,

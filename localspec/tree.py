@@ -101,3 +101,38 @@ def path_to(draft: Draft, node: int) -> list[int]:
         path.append(node)
         node = draft.parents[node]
     return path[::-1]
+
+
+def graft(draft: Draft, guess: list[int]) -> Draft:
+    """`draft` plus a deterministic chain of guesses from the root: the chain follows the draft's
+    nodes while the tokens agree and branches off where they differ. New nodes come last, so the
+    acceptance rule tries the draft's own guesses first; either way the rule stays exact, because
+    each guess is fixed before the target's pass is sampled."""
+    node, i = -1, 0
+    while i < len(guess):
+        match = next((c for c, p in enumerate(draft.parents) if p == node and draft.tokens[c] == guess[i]), None)
+        if match is None:
+            break
+        node, i = match, i + 1
+    if i == len(guess):
+        return draft
+    tokens, parents = list(draft.tokens), list(draft.parents)
+    for token in guess[i:]:
+        tokens.append(token)
+        parents.append(node)
+        node = len(tokens) - 1
+    probs = list(draft.probs) + [None] * (len(tokens) - len(draft))
+    return Draft(tokens, parents, probs, draft.label, steps=draft.steps)
+
+
+def matched_path(draft: Draft, tokens: list[int]) -> list[int]:
+    """Nodes of `draft` that spell the longest prefix of `tokens`, from the root down: how many of
+    a proposer's guesses a pass accepted when it verified them together with other guesses."""
+    path: list[int] = []
+    node = -1
+    for token in tokens:
+        node = next((c for c, p in enumerate(draft.parents) if p == node and draft.tokens[c] == token), None)
+        if node is None:
+            break
+        path.append(node)
+    return path

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 import torch
@@ -63,6 +64,46 @@ def test_greedy_matches_transformers_every_proposer(arch, draft_len):
     for proposer in proposers:
         engine = Engine(target, None, proposer, SpecConfig(draft_len=draft_len))
         assert run(engine, PROMPT, 48) == expected, proposer
+
+
+LOOPING_PROMPT = [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6]
+
+
+@pytest.mark.parametrize("draft_len", [None, 3])
+def test_model_proposers_carry_prompt_lookup_and_stay_exact(arch, draft_len):
+    target = tiny_model(arch, seed=0)
+    expected = hf_greedy(target, LOOPING_PROMPT, 48)
+    costs = CostModel({1: 1.0, 2: 1.05, 4: 1.1, 8: 1.3, 16: 2.0}, draft_step_seconds=0.1)
+    for lookup in (True, False):
+        engine = Engine(target, None, DraftModelProposer(tiny_model(arch, seed=2)), SpecConfig(draft_len=draft_len, lookup=lookup), costs=costs)
+        assert run(engine, LOOPING_PROMPT, 48) == expected
+        # a random draft rarely agrees with the target; the target's own loops are what lookup finds
+        assert (engine.stats.lookup_accepted > 0) == lookup
+
+
+def test_a_lookup_expected_to_pay_more_skips_the_model(arch):
+    target = tiny_model(arch, seed=0)
+    expected = hf_greedy(target, LOOPING_PROMPT, 40)
+    calls = []
+
+    class SlowDraft(DraftModelProposer):
+        def propose(self, tokens, *args, **kw):
+            calls.append(len(tokens))
+            time.sleep(0.05)
+            return super().propose(tokens, *args, **kw)
+
+    # verify passes measured at a millisecond: a lookup guess alone beats a model taking 50 ms a pass
+    fast_passes = CostModel({1: 1e-3, 2: 1.05e-3, 4: 1.1e-3, 8: 1.3e-3, 16: 2e-3}, draft_step_seconds=1e-4)
+    engine = Engine(target, None, SlowDraft(tiny_model(arch, seed=2)), SpecConfig(), costs=fast_passes)
+    engine.guard = None  # against millisecond passes the slow model would pause speculation altogether
+    assert run(engine, LOOPING_PROMPT, 40) == expected
+    assert engine.stats.lookup_passes > 0
+    assert len(calls) + engine.stats.lookup_passes >= engine.stats.passes - 1  # the last pass may have no room
+    # passes measured at a second: the (real-time) model pass always pays more, so it drafts every pass
+    slow_passes = CostModel({1: 1.0, 2: 1.05, 4: 1.1, 8: 1.3, 16: 2.0}, draft_step_seconds=0.1)
+    engine = Engine(target, None, SlowDraft(tiny_model(arch, seed=2)), SpecConfig(), costs=slow_passes)
+    assert run(engine, LOOPING_PROMPT, 40) == expected
+    assert engine.stats.lookup_passes == 0
 
 
 def test_greedy_with_adaptive_draft_length(arch):

@@ -41,26 +41,29 @@ def chi2(counts: dict, expected: dict, n: int) -> tuple[float, int]:
     return stat, cells - 1
 
 
-def exact_pairs(target, sampling: SamplingConfig) -> dict:
+def exact_pairs(target, sampling: SamplingConfig, prompt: list[int] = PROMPT) -> dict:
     """P(first two generated tokens) under the target alone."""
     with torch.no_grad():
-        p1 = probs_from_logits(target(torch.tensor([PROMPT])).logits[0, -1], sampling)
+        p1 = probs_from_logits(target(torch.tensor([prompt])).logits[0, -1], sampling)
         out = {}
         for a in range(VOCAB):
-            p2 = probs_from_logits(target(torch.tensor([PROMPT + [a]])).logits[0, -1], sampling)
+            p2 = probs_from_logits(target(torch.tensor([prompt + [a]])).logits[0, -1], sampling)
             for b in range(VOCAB):
                 out[(a, b)] = float(p1[a] * p2[b])
     return out
 
 
-def sample_pairs(target, draft, sampling_kw: dict, n: int) -> dict:
-    engine = Engine(target, None, DraftModelProposer(draft), SpecConfig(draft_len=2))
+def sample_pairs(target, draft, sampling_kw: dict, n: int, prompt: list[int] = PROMPT, spec: SpecConfig = SpecConfig(draft_len=2)) -> tuple[dict, int]:
+    """Counts of the first two generated tokens over n seeds, and the tokens prompt lookup supplied."""
+    engine = Engine(target, None, DraftModelProposer(draft), spec)
     counts: dict = {}
+    from_lookup = 0
     for seed in range(n):
         sampling = SamplingConfig(seed=seed, **sampling_kw)
-        out = [p.token_id for ev in engine.generate(PROMPT, sampling, GenerationLimits(2)) for p in ev.pieces]
+        out = [p.token_id for ev in engine.generate(prompt, sampling, GenerationLimits(2)) for p in ev.pieces]
         counts[tuple(out)] = counts.get(tuple(out), 0) + 1
-    return counts
+        from_lookup += engine.stats.lookup_accepted
+    return counts, from_lookup
 
 
 def models():
@@ -76,8 +79,20 @@ def models():
 def test_speculative_sampling_matches_target_distribution(sampling_kw):
     target, draft = models()
     n = 1000
-    counts = sample_pairs(target, draft, sampling_kw, n)
+    counts, _ = sample_pairs(target, draft, sampling_kw, n)
     stat, df = chi2(counts, exact_pairs(target, SamplingConfig(**sampling_kw)), n)
+    assert stat < chi2_limit(df), (stat, df)
+
+
+def test_a_sampled_draft_with_a_lookup_branch_keeps_target_distribution():
+    """The draft's sampled chain (its own q) and prompt lookup's fixed guess (one-hot q) are
+    siblings in one tree; the rule must stay exact across the mix."""
+    target, draft = models()
+    prompt = [1, 2, 3, 4, 5, 1, 2, 3, 4]  # lookup guesses 5, 1 at the first pass
+    n = 1000
+    counts, from_lookup = sample_pairs(target, draft, dict(temperature=1.0), n, prompt, SpecConfig(draft_len=2))
+    assert from_lookup > n / 20, "the test must exercise the lookup branch"
+    stat, df = chi2(counts, exact_pairs(target, SamplingConfig(temperature=1.0), prompt), n)
     assert stat < chi2_limit(df), (stat, df)
 
 
@@ -86,7 +101,7 @@ def test_wrong_rejection_rule_is_detected(monkeypatch):
     monkeypatch.setattr(verify_module, "_residual", lambda p, q, token: p)
     target, draft = models()
     n = 1000
-    counts = sample_pairs(target, draft, dict(temperature=1.0), n)
+    counts, _ = sample_pairs(target, draft, dict(temperature=1.0), n)
     stat, df = chi2(counts, exact_pairs(target, SamplingConfig(temperature=1.0)), n)
     assert stat > chi2_limit(df), (stat, df)
 

@@ -18,7 +18,7 @@ from localspec.errors import LocalspecError
 from localspec.kv import KVCache
 from localspec.proposers import DraftModelProposer, NgramProposer
 from localspec.proposers.base import Proposer
-from localspec.tree import Draft, verify_inputs
+from localspec.tree import Draft, graft, matched_path, verify_inputs
 from localspec.verify import verify_greedy
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11, 12, 5, 6, 7, 8, 40, 41, 42, 5, 6, 7]
@@ -213,3 +213,17 @@ def test_sampling_verification_never_accepts_a_token_the_target_rules_out(drafte
     verdict = verify_sampling(Draft.chain(drafted, q), logits, SamplingConfig(temperature=1.0), gen)
     assert all(drafted[n] != 0 for n in verdict.accepted) and verdict.next_token != 0
     assert verdict.accepted == list(range(len(verdict.accepted)))  # a prefix of the chain
+
+
+@settings(max_examples=200, deadline=None)
+@given(trees, st.lists(st.integers(0, 7), max_size=6))
+def test_a_grafted_guess_keeps_the_draft_and_is_spelled_once_from_the_root(tree, guess):
+    tokens, parents = tree
+    draft = Draft(list(tokens), list(parents), probs=[torch.ones(8) / 8] * len(tokens))
+    both = graft(draft, guess)
+    # the draft's own nodes come first, unchanged, so the rule still tries them first
+    assert both.tokens[: len(draft)] == draft.tokens and both.parents[: len(draft)] == draft.parents
+    assert both.probs[: len(draft)] == draft.probs and all(q is None for q in both.probs[len(draft):])
+    path = matched_path(both, guess)
+    assert [both.tokens[n] for n in path] == guess  # the whole guess is one root path ...
+    assert len(both) - len(draft) == len(guess) - len(matched_path(draft, guess))  # ... sharing what the draft had

@@ -42,6 +42,10 @@ class Proposer(ABC):
         lists the pass's inputs now committed (None = all, a prefill). Proposers that read the
         target's hidden states (EAGLE) collect them here; others ignore it."""
 
+    def judged(self, accepted: int) -> None:
+        """Called after the target verified this proposer's latest draft: `accepted` of its own
+        guesses were kept (the pass may also have carried prompt lookup's guesses)."""
+
     def reset(self) -> None:
         """Drop per-conversation state (caches)."""
 

@@ -101,11 +101,13 @@ class EagleProposer(Proposer):
         new = self.tap.take().to(self.device, self.head.dtype)  # (T, F)
         if kept is not None:
             new = new[torch.tensor(kept, device=self.device)]
-            if self._last_predicted is not None:  # a verify pass: learn how well the scores predict
-                accepted = len(kept) - 1
-                self.calibration = 0.9 * self.calibration + 0.1 * min(accepted / max(self._last_predicted, 1e-3), 3.0)
-                self._last_predicted = None
         self.features = torch.cat([self.features[:start], new])
+
+    def judged(self, accepted: int) -> None:
+        """Learn how well the head's scores predict what the target accepts."""
+        if self._last_predicted is not None:
+            self.calibration = 0.9 * self.calibration + 0.1 * min(accepted / max(self._last_predicted, 1e-3), 3.0)
+            self._last_predicted = None
 
     # -- drafting -------------------------------------------------------------------------------
 
