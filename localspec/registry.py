@@ -303,7 +303,7 @@ def choose_proposer(
     Order: EAGLE head > draft model > n-gram > none. A candidate is passed over when it is not
     implemented, not downloaded, does not fit in `memory` (bytes free for weights and caches)
     beside the target, or was measured slower than plain decoding on this machine (`history`,
-    keyed by pair_key). A saved `localspec pair` result comes first, being a measurement itself.
+    keyed by pair_key); the EAGLE head also when a draft was measured faster here. A saved `localspec pair` result comes first, being a measurement itself.
     Unknown facts (None) exclude nothing.
     """
     history = history or {}
@@ -318,9 +318,13 @@ def choose_proposer(
     def have(name: str) -> bool:
         return downloaded is None or name in downloaded
 
-    def slow(key: str) -> Measured | None:
+    def known(key: str) -> Measured | None:
         seen = history.get(key)
-        return seen if seen and seen.tokens >= MIN_HISTORY_TOKENS and seen.speedup < 1.0 else None
+        return seen if seen and seen.tokens >= MIN_HISTORY_TOKENS else None
+
+    def slow(key: str) -> Measured | None:
+        seen = known(key)
+        return seen if seen and seen.speedup < 1.0 else None
 
     def fits(draft: ModelEntry) -> bool:
         return memory is None or entry.memory_with(draft) <= memory
@@ -340,10 +344,17 @@ def choose_proposer(
                 paired.draft,
             )
 
-    if has_eagle_head(entry.name) and not slow("eagle"):
-        return Choice("eagle", _with_skipped(f"an EAGLE head trained for {entry.name} is on this machine ({eagle_head_dir(entry.name)})", skipped))
     if has_eagle_head(entry.name):
-        skipped.append(f"the EAGLE head measured {slow('eagle').speedup:.2f}x plain here")
+        eagle = known("eagle")
+        # a draft measured faster here wins over the head (heads trained on a small machine can be weak)
+        rivals = [(m.speedup, name) for name in entry.drafts if (m := known(pair_key("draft", name))) and have(name)]
+        rival = max(rivals, default=None)
+        if eagle and eagle.speedup < 1.0:
+            skipped.append(f"the EAGLE head measured {eagle.speedup:.2f}x plain here")
+        elif eagle and rival and rival[0] > eagle.speedup:
+            skipped.append(f"the EAGLE head measured {eagle.speedup:.2f}x plain here, draft {rival[1]} {rival[0]:.2f}x")
+        else:
+            return Choice("eagle", _with_skipped(f"an EAGLE head trained for {entry.name} is on this machine ({eagle_head_dir(entry.name)})", skipped))
     elif entry.eagle_heads:
         skipped.append(f"no EAGLE head on this machine ({train_command(entry)})")
 

@@ -141,6 +141,26 @@ def test_auto_choice_table(tmp_path, model, downloaded, memory, history, expecte
         assert "no EAGLE head on this machine (localspec train-eagle --target big)" in choice.reason
 
 
+FAST = Measured(tokens=1000, speedup=1.5, acceptance=0.8)
+
+
+@pytest.mark.parametrize(
+    "history, expected, why",
+    [
+        ({}, ("eagle", None), "an EAGLE head trained for big is on this machine"),  # unmeasured: try it
+        ({"eagle": Measured(1000, 1.6, 0.5), "draft:small": FAST}, ("eagle", None), "an EAGLE head trained"),
+        ({"eagle": Measured(1000, 1.05, 0.3), "draft:small": FAST}, ("draft", "small"), "the EAGLE head measured 1.05x plain here, draft small 1.50x"),
+        ({"eagle": SLOW}, ("draft", "small"), "the EAGLE head measured 0.80x plain here"),
+    ],
+)
+def test_auto_prefers_a_head_trained_here_unless_measured_slower(tmp_path, monkeypatch, history, expected, why):
+    monkeypatch.setattr("localspec.registry.has_eagle_head", lambda name: True)
+    reg = registry_from(tmp_path, BASE)
+    choice = choose_proposer("auto", reg.get("big"), reg, downloaded=ALL, memory=100 * GB, history=history)
+    assert (choice.proposer, choice.draft) == expected
+    assert why in choice.reason
+
+
 def test_a_saved_pairing_wins_while_it_is_usable(tmp_path):
     user = '[models.big.paired]\nproposer = "draft"\ndraft = "small"\ndraft_len = 4\ntokens_per_second = 9.5\nspeedup = 1.6\n'
     reg = registry_from(tmp_path, BASE, user)
