@@ -26,6 +26,7 @@ from localspec.tui.backend import ChatSettings, SessionBackend
 from localspec.tui.fake import ANSWER, FakeBackend, FakeEngine
 from localspec.tui.history import Conversation, HistoryStore, Message
 from localspec.pairing import Candidate
+from localspec.stats import GenerationStats
 from localspec.tui.screens import HelpScreen, SettingsScreen, WizardScreen
 from localspec.tui.widgets import DRAFT_STYLE, MessageView, StatsPanel
 
@@ -138,6 +139,18 @@ def test_disk_full_while_saving_history_keeps_the_answer_going_and_the_old_file_
     assert batches[-1].done and "No space left" in batches[-1].notice
     assert store.path(conv.id).read_text() == before  # the last good file is intact
     assert list(tmp_path.glob("*.tmp")) == []  # no partial files left behind
+
+
+def test_statistics_show_what_prompt_lookup_added_only_when_it_added_something():
+    def text(stats) -> str:
+        console = Console(width=200, file=io.StringIO(), record=True)
+        console.print(StatsPanel().figures(stats, 0.0))
+        return console.export_text()
+
+    stats = GenerationStats(proposer="eagle", passes=10, new_tokens=40)
+    assert "from lookup" not in text(stats)
+    stats.lookup_accepted, stats.lookup_passes = 23, 4
+    assert "from lookup 23 tokens (4 passes without the model)" in " ".join(text(stats).split())
 
 
 # -- Pilot ---------------------------------------------------------------------------------------
