@@ -162,6 +162,9 @@ class Engine:
         self.lookup = NgramProposer(spec.ngram_min, spec.ngram_max) if spec.lookup and proposer is not None and proposer.has_model else None
         self.model_rate: float | None = None
         """Tokens per second of the passes the model proposer drafted for (a running average)."""
+        self.lookup_evidence: dict[str, AcceptanceTracker] = defaultdict(lambda: AcceptanceTracker(prior=0.0))
+        """Per lookup label, acceptance believed only from what was seen: skipping the model on a
+        guess is a bet, so it is made on evidence (the grafted branch gathers it for free)."""
         self.max_nodes = 64
         """Most draft nodes per pass; halved when a wide pass runs out of memory."""
         self.guard = SpeedGuard(costs.verify(1)) if costs is not None else None
@@ -303,7 +306,7 @@ class Engine:
         measured rate, so this pass need not spend the model's drafting time."""
         if self.costs is None or self.model_rate is None:
             return False
-        rate = self.acceptance[guess.label].rate
+        rate = self.lookup_evidence[guess.label].rate
         expected = 1.0 + sum(rate**i for i in range(1, len(guess) + 1))
         return expected / self.costs.verify(len(guess) + 1) >= self.model_rate
 
@@ -321,7 +324,9 @@ class Engine:
     def _judge(self, proposal: Proposal, accepted: list[int], seconds: float) -> None:
         """Credit each part of the proposal with the accepted tokens it had guessed."""
         if proposal.lookup is not None:
-            self.acceptance[proposal.lookup.label].update(len(proposal.lookup), common_prefix(proposal.lookup.tokens, accepted))
+            right = common_prefix(proposal.lookup.tokens, accepted)
+            self.acceptance[proposal.lookup.label].update(len(proposal.lookup), right)
+            self.lookup_evidence[proposal.lookup.label].update(len(proposal.lookup), right)
         if proposal.model is None:
             if self.proposer is not None and self.proposer.has_model:
                 self.stats.lookup_accepted += len(accepted)
