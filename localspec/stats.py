@@ -106,8 +106,8 @@ class GenerationStats:
         return tps * self.plain_token_seconds if self.plain_token_seconds > 0 else 0.0
 
     def summary(self) -> str:
-        lookup = (f", prompt lookup +{self.lookup_accepted} tokens ({self.lookup_passes} passes alone)"
-                  if self.lookup_accepted or self.lookup_passes else "")
+        alone = f"{self.lookup_passes} pass{'' if self.lookup_passes == 1 else 'es'} alone"
+        lookup = f", prompt lookup +{self.lookup_accepted} tokens ({alone})" if self.lookup_accepted or self.lookup_passes else ""
         return (
             f"[{self.proposer}] {self.new_tokens} tokens, {self.decode_tokens_per_second:.2f} tok/s, "
             f"TTFT {self.ttft_seconds * 1000:.0f} ms, acceptance {self.acceptance_rate:.0%}, "

@@ -135,7 +135,8 @@ class StatsPanel(VerticalScroll):
         grid.add_row("acceptance", f"{stats.acceptance_rate:.0%} ({stats.accepted}/{stats.drafted} drafted)")
         grid.add_row("tokens/pass", f"{stats.mean_tokens_per_pass:.2f} (draft length {stats.mean_draft_len:.1f})")
         if stats.lookup_accepted or stats.lookup_passes:  # a model proposer carrying prompt lookup's guesses
-            grid.add_row("from lookup", f"{stats.lookup_accepted} tokens ({stats.lookup_passes} passes without the model)")
+            alone = f"{stats.lookup_passes} pass{'' if stats.lookup_passes == 1 else 'es'} without the model"
+            grid.add_row("from lookup", f"{stats.lookup_accepted} tokens ({alone})")
         grid.add_row("draft time", f"{stats.draft_seconds:.2f} s")
         grid.add_row("verify time", f"{stats.verify_seconds:.2f} s ({stats.passes} passes)")
         grid.add_row("speedup", f"{stats.measured_speedup:.2f}x measured, {stats.predicted_speedup:.2f}x formula")
