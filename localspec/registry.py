@@ -303,8 +303,9 @@ def choose_proposer(
     Order: EAGLE head > draft model > n-gram > none. A candidate is passed over when it is not
     implemented, not downloaded, does not fit in `memory` (bytes free for weights and caches)
     beside the target, or was measured slower than plain decoding on this machine (`history`,
-    keyed by pair_key); the EAGLE head also when a draft was measured faster here. A saved `localspec pair` result comes first, being a measurement itself.
-    Unknown facts (None) exclude nothing.
+    keyed by pair_key); the EAGLE head also when a draft was measured faster here. A saved
+    `localspec pair` result comes first, being a measurement itself. Unknown facts (None) exclude
+    nothing.
     """
     history = history or {}
     if requested == "draft":

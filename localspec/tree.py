@@ -108,16 +108,12 @@ def graft(draft: Draft, guess: list[int]) -> Draft:
     nodes while the tokens agree and branches off where they differ. New nodes come last, so the
     acceptance rule tries the draft's own guesses first; either way the rule stays exact, because
     each guess is fixed before the target's pass is sampled."""
-    node, i = -1, 0
-    while i < len(guess):
-        match = next((c for c, p in enumerate(draft.parents) if p == node and draft.tokens[c] == guess[i]), None)
-        if match is None:
-            break
-        node, i = match, i + 1
-    if i == len(guess):
+    shared = matched_path(draft, guess)
+    if len(shared) == len(guess):
         return draft
+    node = shared[-1] if shared else -1
     tokens, parents = list(draft.tokens), list(draft.parents)
-    for token in guess[i:]:
+    for token in guess[len(shared):]:
         tokens.append(token)
         parents.append(node)
         node = len(tokens) - 1
