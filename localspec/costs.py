@@ -42,14 +42,16 @@ class CostModel:
         (w0, t0), (w1, t1) = points[-2], points[-1]
         return t1 + max(t1 - t0, 0.0) * (width - w1) / (w1 - w0)
 
-    def expected_rate(self, acceptance: float, draft_len: int) -> float:
-        """Expected tokens per second with this draft length (i.i.d. acceptance per position)."""
+    def expected_rate(self, acceptance: float, draft_len: int, free: bool = False) -> float:
+        """Expected tokens per second with this draft length (i.i.d. acceptance per position);
+        `free`: the guesses cost no draft steps (a lookup riding along a model proposer)."""
         a = min(max(acceptance, 0.0), 0.999)
         tokens = (1.0 - a ** (draft_len + 1)) / (1.0 - a)
-        return tokens / (draft_len * self.draft_step_seconds + self.verify(draft_len + 1))
+        steps = 0.0 if free else draft_len * self.draft_step_seconds
+        return tokens / (steps + self.verify(draft_len + 1))
 
-    def best_draft_len(self, acceptance: float, max_len: int) -> int:
-        return max(range(max_len + 1), key=lambda g: self.expected_rate(acceptance, g))
+    def best_draft_len(self, acceptance: float, max_len: int, free: bool = False) -> int:
+        return max(range(max_len + 1), key=lambda g: self.expected_rate(acceptance, g, free))
 
 
 class AcceptanceTracker:

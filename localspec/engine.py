@@ -232,13 +232,14 @@ class Engine:
             self.kv_tokens.extend(chunk)
             self._observe(start, None)
 
-    def _draft_len(self, label: str, limit: int) -> int:
-        """Tokens worth drafting for this kind of guess: fixed, or the best expected rate under the
-        measured costs and the acceptance seen so far for this label."""
+    def _lookup_len(self, label: str, limit: int) -> int:
+        """Tokens of a lookup guess worth verifying: fixed, or the best expected rate under the
+        measured verify costs (a lookup's guesses cost no draft steps) and the acceptance seen so
+        far for this label."""
         if self.spec.draft_len is not None:
             wanted = self.spec.draft_len
         elif self.costs is not None:
-            wanted = self.costs.best_draft_len(self.acceptance[label].rate, self.spec.max_draft_len)
+            wanted = self.costs.best_draft_len(self.acceptance[label].rate, self.spec.max_draft_len, free=True)
         else:
             wanted = min(4, self.spec.max_draft_len)
         return max(0, min(wanted, limit))
@@ -299,16 +300,14 @@ class Engine:
     def _lookup_guess(self, lookup: Proposer, tokens: list[int], limit: int, sampling: SamplingConfig, generator) -> Draft:
         """A lookup guesses as far as it can for free; keep the prefix that pays for its label."""
         guess = lookup.propose(tokens, min(limit, self.spec.draft_len or self.spec.max_draft_len), sampling, generator)
-        return guess.first(self._draft_len(guess.label, len(guess)))
+        return guess.first(self._lookup_len(guess.label, len(guess)))
 
     def _lookup_alone_pays(self, guess: Draft) -> bool:
         """Whether verifying the lookup's guess alone is expected to beat the model proposer's
         measured rate, so this pass need not spend the model's drafting time."""
         if self.costs is None or self.model_rate is None:
             return False
-        rate = self.lookup_evidence[guess.label].rate
-        expected = 1.0 + sum(rate**i for i in range(1, len(guess) + 1))
-        return expected / self.costs.verify(len(guess) + 1) >= self.model_rate
+        return self.costs.expected_rate(self.lookup_evidence[guess.label].rate, len(guess), free=True) >= self.model_rate
 
     def _model_draft(self, tokens: list[int], limit: int, sampling: SamplingConfig, generator) -> Draft:
         if limit <= 0:

@@ -38,6 +38,10 @@ def test_draft_length_follows_measured_costs():
     assert 1 <= steep.best_draft_len(0.8, 12) <= 3
     # drafts that are always wrong only cost time: draft nothing
     assert steep.best_draft_len(0.02, 12) == 0
+    # a lookup riding along a draft model costs no draft steps: only the wider pass limits it
+    slow_draft = CostModel({1: 0.30, 2: 0.28, 4: 0.24, 8: 0.26, 16: 0.31}, draft_step_seconds=0.5)
+    assert slow_draft.best_draft_len(0.8, 12) == 0
+    assert slow_draft.best_draft_len(0.8, 12, free=True) == flat.best_draft_len(0.8, 12)
     # interpolation between and beyond the calibrated widths
     assert steep.verify(3) == pytest.approx(0.29)
     assert steep.verify(6) == pytest.approx((0.51 + 0.97) / 2)
