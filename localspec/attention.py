@@ -10,9 +10,20 @@ Here each query row attends to exactly the keys it may see, gathered in cache or
 the past, then its ancestors, then itself; that is the same sequence of keys plain decoding has
 after accepting that path), with the same operations and shapes as a single-token step, in
 float32. Long passes (a prompt's prefill, the same in every mode) keep the fast kernel.
+
+Why rows are not batched into one masked product: a row's float32 result depends on the shapes it
+is computed in. Measured on this CPU (MKL, 1 and 2 threads), computing all rows of a pass in one
+matmul with masked (-inf) scores differed in the last bits from the one-token step for every row
+tried, and even products laid out so that rows are independent agree only when the key count is
+the same, which a one-token step at an earlier position never has. So rows stay separate products
+of the one-token step's shape; what they must not do is read anything back from the device: which
+keys each row sees is planned on the host from the draft's shape (`RowPlan`), once per pass, and
+the loop over rows only launches work.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from transformers import AttentionInterface
@@ -24,31 +35,66 @@ ROW_BY_ROW_UP_TO = 128
 """Passes of at most this many new tokens (decode steps and verify passes) go row by row."""
 
 
-def exact_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    """query (B, H, T, D), key/value (B, Hkv, S, D), attention_mask (B, 1, T, S) bool (True =
-    may attend) or None (causal) -> output (B, T, H, D), no weights."""
+@dataclass
+class RowPlan:
+    """Which cached keys each query row of a tree pass sees beyond the `past` entries all rows see.
+
+    Worked out on the host from the draft's shape, so the attention reads nothing back from the
+    device. Chains need no plan: row i sees a prefix, known from the shapes alone.
+    """
+
+    past: int
+    slots: torch.Tensor | None
+    """(sum of n_i,) the rows' visible slots >= past, row after row, on the model's device; None
+    when every row sees a prefix."""
+    spans: list[tuple[int, int, bool]]
+    """Per row: (offset into slots, n_i, whether the slots are just past..past + n_i - 1)."""
+
+    @classmethod
+    def from_rows(cls, past: int, rows: list[list[int]], device: torch.device) -> RowPlan:
+        """rows[i]: the slots row i sees beyond `past`, ascending, as offsets from `past`."""
+        spans, flat = [], []
+        for seen in rows:
+            spans.append((len(flat), len(seen), seen == list(range(len(seen)))))
+            flat.extend(past + s for s in seen)
+        prefixes = all(prefix for _, _, prefix in spans)
+        slots = None if prefixes else torch.tensor(flat, dtype=torch.long).to(device, non_blocking=True)
+        return cls(past, slots, spans)
+
+    @classmethod
+    def from_mask(cls, mask: torch.Tensor) -> RowPlan:
+        """From a (T, S) mask (bool, True = may attend; or additive, 0 = may attend): one read of
+        the mask per layer, for callers that pass a mask without a plan (not the engine)."""
+        allowed = mask if mask.dtype == torch.bool else mask == 0
+        rows = [[j for j, ok in enumerate(row) if ok] for row in allowed.tolist()]
+        return cls.from_rows(0, rows, mask.device)
+
+
+def exact_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, row_plan=None, **kwargs):
+    """query (B, H, T, D), key/value (B, Hkv, S, D), attention_mask (B, 1, T, S) or None (causal),
+    row_plan: the tree pass's `RowPlan` (else read from the mask) -> output (B, T, H, D), no weights."""
     b, heads, t, d = query.shape
     if t > ROW_BY_ROW_UP_TO or b != 1:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     s = key.shape[2]
+    if row_plan is None and attention_mask is not None:
+        row_plan = RowPlan.from_mask(attention_mask[0, 0])
     groups = heads // key.shape[1]
     keys = key.float().repeat_interleave(groups, dim=1)  # (1, H, S, D)
     values = value.float().repeat_interleave(groups, dim=1)
     scale = scaling if scaling is not None else d**-0.5
     rows = []
     for i in range(t):
-        if attention_mask is None:
-            visible = None
-            end = s - t + i + 1  # causal: the past and the new tokens up to this one
+        if row_plan is None:  # causal: the past and the new tokens up to this one
+            k, v = keys[:, :, : s - t + i + 1], values[:, :, : s - t + i + 1]  # (1, H, S_i, D)
         else:
-            allowed = attention_mask[0, 0, i]
-            if allowed.dtype != torch.bool:
-                allowed = allowed == 0  # an additive mask: 0 where attending
-            index = allowed.nonzero().flatten()  # (S_i,)
-            end = int(index[-1]) + 1
-            visible = None if len(index) == end else index  # a prefix needs no gather
-        k = keys[:, :, :end] if visible is None else keys.index_select(2, visible)  # (1, H, S_i, D)
-        v = values[:, :, :end] if visible is None else values.index_select(2, visible)
+            start, n, prefix = row_plan.spans[i]
+            if prefix:
+                k, v = keys[:, :, : row_plan.past + n], values[:, :, : row_plan.past + n]
+            else:
+                slots = row_plan.slots[start : start + n]  # (n_i,)
+                k = torch.cat([keys[:, :, : row_plan.past], keys.index_select(2, slots)], dim=2)  # (1, H, S_i, D)
+                v = torch.cat([values[:, :, : row_plan.past], values.index_select(2, slots)], dim=2)
         scores = torch.matmul(query[:, :, i : i + 1].float(), k.transpose(-1, -2)) * scale  # (1, H, 1, S_i)
         rows.append(torch.matmul(scores.softmax(dim=-1), v))  # (1, H, 1, D)
     out = torch.cat(rows, dim=2).to(query.dtype)  # (1, H, T, D)

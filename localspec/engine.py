@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from localspec.attention import use_exact_attention
+from localspec.attention import RowPlan, use_exact_attention
 from localspec.config import GenerationLimits, SamplingConfig, SpecConfig
 from localspec.costs import AcceptanceTracker, CostModel, SpeedGuard
 from localspec.errors import LocalspecError
@@ -24,7 +24,7 @@ from localspec.proposers.draft_model import common_prefix
 from localspec.proposers.ngram import NgramProposer
 from localspec.sampling import make_generator
 from localspec.stats import GenerationStats
-from localspec.tree import Draft, graft, matched_path, verify_inputs
+from localspec.tree import Draft, graft, matched_path, verify_inputs, visible_rows
 from localspec.verify import verify
 
 PREFILL_CHUNK = 512
@@ -195,16 +195,18 @@ class Engine:
 
     # -- target passes --------------------------------------------------------------------------
 
-    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None, keep: int):
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None, keep: int,
+                 plan: RowPlan | None = None):
         """One target forward; if it is cut short (Ctrl-C, out of memory) the cache is put back to
         exactly the committed tokens, so the next pass or the next prompt starts from a sound state."""
         try:
-            return self._forward_unguarded(ids, positions, mask, keep)
+            return self._forward_unguarded(ids, positions, mask, keep, plan)
         except BaseException:
             self.kv.truncate(len(self.kv_tokens))
             raise
 
-    def _forward_unguarded(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None, keep: int):
+    def _forward_unguarded(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None, keep: int,
+                           plan: RowPlan | None):
         out = self.model(
             input_ids=ids.to(self.device),
             position_ids=positions.to(self.device),
@@ -212,6 +214,7 @@ class Engine:
             cache=self.kv.cache,
             use_cache=True,
             logits_to_keep=keep,
+            row_plan=plan,  # a tree pass: which keys each row sees, so the attention reads nothing back
         )
         return out.logits[0]  # (keep, V)
 
@@ -361,8 +364,9 @@ class Engine:
         past = len(self.kv)
         while True:
             ids, positions, mask = verify_inputs(draft, tokens[-1], past)
+            plan = None if mask is None else RowPlan.from_rows(past, visible_rows(draft), self.device)
             try:
-                logits = self._forward(ids, positions, mask, keep=len(draft) + 1)  # (N+1, V)
+                logits = self._forward(ids, positions, mask, keep=len(draft) + 1, plan=plan)  # (N+1, V)
                 break
             except (torch.OutOfMemoryError, MemoryError):
                 if len(draft) == 0:

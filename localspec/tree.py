@@ -70,6 +70,15 @@ class Draft:
         return [i for i, p in enumerate(self.parents) if p == node]
 
 
+def visible_rows(draft: Draft) -> list[list[int]]:
+    """Per row of the pass over root + draft, the rows it sees (root = 0, node i = i + 1),
+    ascending: the root, the node's ancestors, itself."""
+    rows = [[0]]
+    for i, p in enumerate(draft.parents, start=1):
+        rows.append([*rows[p + 1], i])
+    return rows
+
+
 def verify_inputs(draft: Draft, root_token: int, past_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Token ids, position ids and attention mask for one target pass over root + draft.
 
@@ -84,13 +93,10 @@ def verify_inputs(draft: Draft, root_token: int, past_len: int) -> tuple[torch.T
     positions = (past_len + depth).unsqueeze(0)  # (1, N+1)
     if draft.is_chain:
         return ids, positions, None
-    local = torch.zeros(n + 1, n + 1, dtype=torch.bool)  # (N+1, N+1): row sees column
-    local[:, 0] = True
-    for i, p in enumerate(draft.parents, start=1):
-        local[i] = local[p + 1]
-        local[i, i] = True
-    mask = torch.ones(n + 1, past_len + n + 1, dtype=torch.bool)
-    mask[:, past_len:] = local
+    mask = torch.zeros(n + 1, past_len + n + 1, dtype=torch.bool)
+    mask[:, :past_len] = True
+    for i, seen in enumerate(visible_rows(draft)):
+        mask[i, [past_len + j for j in seen]] = True
     return ids, positions, mask[None, None]
 
 
