@@ -13,8 +13,8 @@ from localspec.errors import LocalspecError
 
 PROPOSERS = ("auto", "eagle", "ngram", "draft", "none")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-QUANTS = ("auto", "none", "int8", "int4", "w8a8", "nf4")
-DRAFT_QUANTS = ("auto", "none", "int8", "int4", "w8a8")
+QUANTS = ("auto", "none", "int8", "int4", "w8a8", "w4a8", "nf4")
+DRAFT_QUANTS = ("auto", "none", "int8", "int4", "w8a8", "w4a8")
 
 
 @dataclass(frozen=True)
@@ -66,8 +66,9 @@ class SpecConfig:
     """Model proposers (draft, EAGLE) also offer prompt lookup's guess in the same verify pass, and
     skip their own drafting when the lookup alone is expected to pay more. Output is unchanged."""
     quant: str = "auto"
-    """auto | none | int8 | int4 | w8a8 | nf4: the target's weights. Output is exact relative to the
-    target as loaded; auto takes w8a8 on a CPU that multiplies int8 exactly, else keeps a 4-bit
+    """auto | none | int8 | int4 | w8a8 | w4a8 | nf4: the target's weights. Output is exact relative
+    to the target as loaded; auto takes w4a8 for a 4-bit published model on an x86 CPU that builds
+    localspec's kernel, else w8a8 on a CPU that multiplies int8 exactly, else keeps a 4-bit
     published model 4-bit, else quantizes only to fit memory."""
 
     def __post_init__(self) -> None:

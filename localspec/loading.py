@@ -346,7 +346,7 @@ def load_model(
         dtype = quantization.compute_dtype(quant)
     with _transformers_quiet(progress):
         if quant != "none" and not on_gpu_bnb:
-            model, tokenizer, cold = _load_quantized(entry, quantization.stored_format(quant), snapshot, progress, pip_args)
+            model, tokenizer, cold = _load_quantized(entry, quant, snapshot, progress, pip_args)
             if quant == "w8a8":
                 quantization.quantize_activations(model)
         elif snapshot is not None:
@@ -401,15 +401,17 @@ def _quant_dir(entry: ModelEntry, quant: str) -> Path:
     return home_dir() / "converted" / f"{entry.name}-{entry.revision[:12]}" / name
 
 
-def _load_quantized(entry: ModelEntry, quant: str, snapshot: Path | None, progress: bool, pip_args: Sequence[str]):
-    """(model, tokenizer, cold) from the quantized cache, quantizing the float32 weights on first use.
+def _load_quantized(entry: ModelEntry, run_as: str, snapshot: Path | None, progress: bool, pip_args: Sequence[str]):
+    """(model, tokenizer, cold) from the quantized cache of the format `run_as` runs on,
+    quantizing the float32 weights on first use.
 
     The cache is read back even right after writing it, so the first run computes with exactly
     the weights every later run loads.
     """
+    quant = quantization.stored_format(run_as)
     path = _quant_dir(entry, quant)
     cold = False
-    loaded = _load_quant_cache(entry, path, progress)
+    loaded = _load_quant_cache(entry, path, progress, run_as)
     if loaded is None:
         if snapshot is not None:
             model, tokenizer = _load_snapshot(entry, snapshot, torch.float32)
@@ -424,17 +426,18 @@ def _load_quantized(entry: ModelEntry, quant: str, snapshot: Path | None, progre
             write_text_atomic(tmp / _QUANT_LAYOUT, json.dumps(layout, indent=1) + "\n")
         del model
         gc.collect()
-        loaded = _load_quant_cache(entry, path, progress)
+        loaded = _load_quant_cache(entry, path, progress, run_as)
         if loaded is None:
             raise LocalspecError(f"the quantized copy of {entry.name!r} in {path} is unreadable")
     return (*loaded, cold)
 
 
-def _load_quant_cache(entry: ModelEntry, path: Path, progress: bool):
+def _load_quant_cache(entry: ModelEntry, path: Path, progress: bool, run_as: str):
     """(model, tokenizer) from a finished quantized cache; None if missing (removed if unreadable).
 
     The model is built on the meta device (no memory, no random init), the quantized modules are
-    put in place, and the tensors are adopted straight from the memory-mapped file.
+    put in place, and the tensors are adopted straight from the memory-mapped file; then the
+    kernel layout of the format it runs as (`run_as`) is read from beside it.
     """
     if not (path / _COMPLETE).is_file():
         return None
@@ -452,11 +455,16 @@ def _load_quant_cache(entry: ModelEntry, path: Path, progress: bool):
             state["lm_head.weight"] = state["model.embed_tokens.weight"]
         model.load_state_dict(state, strict=True, assign=True)
         _materialize_buffers(model)
-        quantization.prepare_for_cpu(model, path / _cpu_layout_name())
+        if run_as == "w4a8":
+            quantization.use_w4a8(model, path / quantization.W4A8_LAYOUT)
+        else:
+            quantization.prepare_for_cpu(model, path / _cpu_layout_name())
         if (path / "generation_config.json").is_file():
             model.generation_config = GenerationConfig.from_pretrained(path)
         tokenizer = AutoTokenizer.from_pretrained(path)
         return model, tokenizer
+    except LocalspecError:  # the kernel cannot run here: the files are fine
+        raise
     except Exception as exc:
         if progress:
             print(f"the quantized copy of {entry.name} in {path} is unreadable ({first_line(exc)}); "

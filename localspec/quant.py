@@ -6,6 +6,9 @@
 - w8a8: the int8 weights (same cache) with each activation row quantized to int8 too, run by
   oneDNN's VNNI int8 matmul on x86 CPUs: a 16-token verify pass then costs about 2x a one-token
   pass instead of 5x, and the rest of the model runs in float32 (`localspec_kernels.cpu_w8a8`).
+- w4a8: the int4 weights (same cache) with each activation row quantized to int8, run by
+  localspec's own x86 kernel (`localspec_kernels.cpu_w4a8`, AVX-512 VNNI or AVX2): 5 bits per
+  weight read once per pass, and a 16-token verify pass costs little more than a one-token pass.
 - nf4: bitsandbytes' NF4 (CUDA only).
 Otherwise activations stay 16-bit (bf16): the weight-only CPU kernels are only fast with them.
 
@@ -17,11 +20,15 @@ quantized model's own output, and `localspec bench --quant` shows what quantizin
 
 from __future__ import annotations
 
+import os
+import tempfile
 from pathlib import Path
 
 import torch
 
+from localspec.config import home_dir
 from localspec.errors import LocalspecError
+from localspec_kernels import cpu_w4a8
 from localspec_kernels.cpu_int8 import Int8Linear, int8_shape_ok, int8_supported
 from localspec_kernels.cpu_w8a8 import W8A8Linear, start_packing, w8a8_supported
 from localspec_kernels.int4_linear import GROUP_SIZE, Int4Linear, cpu_int4_supported, int4_shape_ok
@@ -30,13 +37,25 @@ COMPUTE_DTYPE = torch.bfloat16
 """Activation dtype of the weight-only quantized models."""
 
 
+W4A8_LAYOUT = "w4a8-blocks-v1.pt"
+"""The w4a8 kernel's packed weights, beside the int4 cache (the name changes with the layout)."""
+
+
 def stored_format(quant: str) -> str:
-    """The cached weight format behind `quant` (w8a8 runs the int8 weights)."""
-    return "int8" if quant == "w8a8" else quant
+    """The cached weight format behind `quant` (w8a8 runs the int8 weights, w4a8 the int4 ones)."""
+    return {"w8a8": "int8", "w4a8": "int4"}.get(quant, quant)
 
 
 def compute_dtype(quant: str) -> torch.dtype:
-    return torch.float32 if quant == "w8a8" else COMPUTE_DTYPE
+    return torch.float32 if quant in ("w8a8", "w4a8") else COMPUTE_DTYPE
+
+
+def w4a8_kernel() -> cpu_w4a8.Kernel:
+    """The compiled w4a8 kernel (built once into localspec's home), or a one-line error."""
+    try:
+        return cpu_w4a8.load(home_dir() / "kernels")
+    except cpu_w4a8.KernelUnavailable as exc:
+        raise LocalspecError(str(exc)) from None
 
 
 def check_supported(quant: str, device: torch.device) -> None:
@@ -58,8 +77,10 @@ def check_supported(quant: str, device: torch.device) -> None:
         if quant == "w8a8" and not w8a8_supported():
             raise LocalspecError("--quant w8a8 needs oneDNN's int8 matmul with exact sums (an x86 CPU with "
                                  "AVX-512 VNNI or AMX); use --quant int8 or int4")
-    if quant == "w8a8" and device.type != "cpu":
-        raise LocalspecError(f"--quant w8a8 is a CPU format; on {device.type} use --quant int4")
+        if quant == "w4a8":
+            w4a8_kernel()
+    if quant in ("w8a8", "w4a8") and device.type != "cpu":
+        raise LocalspecError(f"--quant {quant} is a CPU format; on {device.type} use --quant int4")
     if device.type == "mps" and quant != "int4":
         raise LocalspecError(f"--quant {quant} is not available on MPS; use --quant int4 or none")
 
@@ -71,7 +92,7 @@ def quantize_model(model: torch.nn.Module, quant: str, device: torch.device) -> 
     for name, module in list(model.named_modules()):
         if not isinstance(module, torch.nn.Linear):
             continue
-        if quant == "int4" and int4_shape_ok(module):
+        if quant in ("int4", "w4a8") and int4_shape_ok(module):
             new = Int4Linear.from_linear(module, GROUP_SIZE, COMPUTE_DTYPE)
         elif quant in ("int8", "w8a8") and device.type != "cuda" and int8_shape_ok(module):
             new = Int8Linear.from_linear(module, COMPUTE_DTYPE)
@@ -136,9 +157,67 @@ def quantize_activations(model: torch.nn.Module) -> None:
     start_packing(model)
 
 
+def use_w4a8(model: torch.nn.Module, blocks_file: Path | None) -> None:
+    """Turn a model loaded with int4 weights into w4a8: every Int4Linear run by the w4a8 kernel,
+    float32 between them. The kernel's blocks are read (memory-mapped) from `blocks_file`, packed
+    and stored there the first time; the int4 tensors they came from are then never touched. The
+    token embedding stays as stored (a lookup reads a few rows) and hands float32 rows on."""
+    kernel = w4a8_kernel()
+    int4 = {name: m for name, m in model.named_modules() if isinstance(m, Int4Linear)}
+    stored = _read_blocks(blocks_file, int4) if blocks_file is not None else None
+    for name, module in int4.items():
+        _replace(model, name, cpu_w4a8.W4A8Linear.from_int4(module, kernel, None if stored is None else stored[name]))
+    if stored is None and blocks_file is not None:
+        packed = {name: model.get_submodule(name).blocks for name in int4}
+        _save_atomic(packed, blocks_file)
+    embedding = model.get_input_embeddings()
+    for module in model.modules():
+        if module is embedding:
+            continue
+        for name, tensor in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
+            if tensor.is_floating_point() and tensor.dtype != torch.float32:
+                tensor.data = tensor.data.float()
+    embedding.register_forward_hook(lambda module, args, out: out.float())
+
+
+def _read_blocks(blocks_file: Path, int4: dict[str, torch.nn.Module]) -> dict[str, torch.Tensor] | None:
+    """The stored blocks when they match these layers; a damaged or stale file is dropped (the
+    blocks are packed again, the weights' cache is fine)."""
+    if not blocks_file.is_file():
+        return None
+    try:
+        stored = torch.load(blocks_file, mmap=True, weights_only=True)
+        for name, m in int4.items():
+            want = -(-m.out_features // cpu_w4a8.TILE) * (m.in_features // cpu_w4a8.GROUP) * cpu_w4a8.BLOCK_BYTES
+            if stored[name].dtype != torch.uint8 or stored[name].numel() != want:
+                raise ValueError(f"{name}: blocks of the wrong size")
+        return stored
+    except Exception:
+        blocks_file.unlink(missing_ok=True)
+        return None
+
+
+def _save_atomic(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """Write through a private temporary file and rename: a reader never sees half a file, two
+    writers never share one; a read-only or full disk only costs the next load the packing again."""
+    try:
+        fd, partial = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".partial")
+        os.close(fd)
+    except OSError:
+        return
+    try:
+        torch.save(tensors, partial)
+        os.replace(partial, path)
+    except Exception:
+        Path(partial).unlink(missing_ok=True)
+
+
 def describe(model: torch.nn.Module) -> str:
     """"int4 weights" / "int8 weights" / "" for reports."""
     kinds = {type(m) for m in model.modules()}
+    if cpu_w4a8.W4A8Linear in kinds:
+        kernel = next(m.kernel for m in model.modules() if isinstance(m, cpu_w4a8.W4A8Linear))
+        return f"int4 weights x int8 activations (per row, {kernel.name} kernel)"
     if W8A8Linear in kinds:
         return "int8 weights x int8 activations (per row)"
     if Int4Linear in kinds:

@@ -6,6 +6,7 @@ files or dtype choices.
 
 from __future__ import annotations
 
+import functools
 import sys
 from dataclasses import dataclass
 
@@ -154,18 +155,23 @@ def make_engine(target: LoadedModel, draft: LoadedModel | None, proposer: str, s
 
 
 def choose_quant(entry: ModelEntry, wanted: str, device: torch.device) -> tuple[str, str]:
-    """The target's weight format and why: as asked; else on a CPU that multiplies int8 exactly
-    (VNNI/AMX) w8a8 when it fits, since its verify passes stay cheap as they widen; else 4-bit
-    when the published weights are 4-bit anyway (re-packing Q4 GGUF in groups of 32 keeps them);
+    """The target's weight format and why: as asked; else, when the published weights are 4-bit
+    anyway (re-packing Q4 GGUF in groups of 32 keeps them), w4a8 on a CPU that builds its kernel,
+    since it reads 5 bits per weight and its verify passes stay cheap as they widen; else w8a8 on
+    a CPU that multiplies int8 exactly (VNNI/AMX) when it fits; else 4-bit for a 4-bit source;
     else the least quantization that fits in memory."""
     if wanted != "auto":
         return wanted, f"--quant {wanted}"
     free = torch.cuda.mem_get_info()[0] if device.type == "cuda" else psutil.virtual_memory().available
+    source = (entry.mirror.file if entry.mirror and hub_snapshot(entry) is None else "").lower()
+    four_bit = any(tag in source for tag in ("q4_", "q4.", "-q4", "iq4"))
+    if device.type == "cpu" and four_bit and (kernel := _w4a8_kernel_name()):
+        return "w4a8", (f"the published weights are 4-bit, and localspec's {kernel} kernel multiplies them with "
+                        "int8 activations: 5 bits read per weight, and a 16-token verify pass costs little more "
+                        "than a one-token pass")
     if device.type == "cpu" and w8a8_supported() and 1.6 * entry.params * 1e9 < free:
         return "w8a8", ("this CPU multiplies int8 exactly (VNNI), so a 16-token verify pass costs about 2x "
                         "a one-token pass (int4: 5x)")
-    source = (entry.mirror.file if entry.mirror and hub_snapshot(entry) is None else "").lower()
-    four_bit = any(tag in source for tag in ("q4_", "q4.", "-q4", "iq4"))
     if four_bit and device.type != "cuda":
         return "int4", "the published weights are 4-bit (GGUF Q4), int4 keeps them and reads a quarter of bf16's bytes"
     bf16_bytes = 2 * entry.params * 1e9
@@ -174,6 +180,20 @@ def choose_quant(entry: ModelEntry, wanted: str, device: torch.device) -> tuple[
     if bf16_bytes * 0.6 < free:
         return "int8", f"16-bit weights ({bf16_bytes / 1e9:.1f} GB) do not fit in {free / 1e9:.1f} GB free"
     return ("nf4" if device.type == "cuda" else "int4"), f"even 8-bit weights do not fit in {free / 1e9:.1f} GB free"
+
+
+def _w4a8_kernel_name() -> str | None:
+    """The w4a8 kernel's instruction set, or None (said once) when it cannot be built here."""
+    try:
+        return quantization.w4a8_kernel().name
+    except LocalspecError as exc:
+        _say_once(f"{exc}; using another weight format")
+        return None
+
+
+@functools.cache
+def _say_once(message: str) -> None:
+    notice(message)
 
 
 def load_models(
@@ -187,7 +207,8 @@ def load_models(
     quant, quant_reason = choose_quant(entry, spec.quant, device)
     if quant != "none":
         torch_dtype = quantization.compute_dtype(quant)
-        how = "int8 weights and activations, float32 between them" if quant == "w8a8" else f"{quant} weights, bfloat16 activations"
+        how = {"w8a8": "int8 weights and activations, float32 between them",
+               "w4a8": "int4 weights and int8 activations, float32 between them"}.get(quant, f"{quant} weights, bfloat16 activations")
         dtype_reason = f"{how} ({quant_reason})"
     elif dtype == "auto":
         torch_dtype, dtype_reason = choose_dtype(entry, draft_entry, proposer, spec, device, quiet)
@@ -225,7 +246,7 @@ def load_draft(entry: ModelEntry, dtype: torch.dtype, device: torch.device, spec
     elif device.type != "cpu":
         quant = "none"
     else:
-        candidates = ("none", "int8", "int4", "w8a8")
+        candidates = ("none", "int8", "int4", "w8a8", "w4a8")
         key = (f"draft-quant|{entry.name}|{dtype}|{'+'.join(candidates)}|threads={torch.get_num_threads()}"
                f"|torch={torch.__version__}")
         quant = (load_calibrations().get(key) or {}).get("quant")

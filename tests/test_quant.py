@@ -13,12 +13,23 @@ from localspec.engine import Engine
 from localspec.errors import LocalspecError
 from localspec.proposers import DraftModelProposer, NgramProposer
 from localspec_kernels.cpu_int8 import Int8Linear
+from localspec_kernels.cpu_w4a8 import W4A8Linear
 from localspec_kernels.cpu_w8a8 import W8A8Linear, w8a8_linear_reference, w8a8_supported, wait_for_packing
 from localspec_kernels.int4_format import int4_matmul_reference, quantize_int4
 from localspec_kernels.int4_linear import Int4Linear, cpu_int4_supported
 
 needs_int4 = pytest.mark.skipif(not cpu_int4_supported(), reason="this torch build has no CPU int4 matmul")
 needs_w8a8 = pytest.mark.skipif(not w8a8_supported(), reason="no exact oneDNN int8 matmul on this machine")
+
+
+def _w4a8_builds() -> bool:
+    try:
+        return quantization.w4a8_kernel() is not None
+    except LocalspecError:
+        return False
+
+
+needs_w4a8 = pytest.mark.skipif(not _w4a8_builds(), reason="the w4a8 kernel cannot be built or run here")
 
 
 @needs_int4
@@ -78,14 +89,17 @@ def quantized_tiny(quant: str, seed: int = 0):
     model.to(quantization.COMPUTE_DTYPE)
     if quant == "w8a8":
         quantization.quantize_activations(model)
+    if quant == "w4a8":
+        quantization.use_w4a8(model, None)
     return model
 
 
-@pytest.mark.parametrize("quant", [pytest.param("int4", marks=needs_int4), "int8", pytest.param("w8a8", marks=needs_w8a8)])
+@pytest.mark.parametrize("quant", [pytest.param("int4", marks=needs_int4), "int8", pytest.param("w8a8", marks=needs_w8a8),
+                                   pytest.param("w4a8", marks=needs_w4a8)])
 def test_greedy_on_a_quantized_target_is_that_targets_own_greedy_output(quant):
     target = quantized_tiny(quant)
     kinds = {type(m) for m in target.modules()}
-    assert {"int4": Int4Linear, "int8": Int8Linear, "w8a8": W8A8Linear}[quant] in kinds
+    assert {"int4": Int4Linear, "int8": Int8Linear, "w8a8": W8A8Linear, "w4a8": W4A8Linear}[quant] in kinds
     expected = hf_greedy(target, PROMPT_IDS, 40)
     drafts = [None, NgramProposer(), DraftModelProposer(target), DraftModelProposer(quantized_tiny(quant, seed=1))]
     for proposer in drafts:
@@ -104,12 +118,15 @@ def test_unsupported_formats_fail_in_one_line():
         SpecConfig(quant="int3")
 
 
-def test_auto_format_prefers_w8a8_on_a_capable_cpu_then_keeps_a_4bit_source_4bit_then_fits_memory(monkeypatch):
+def test_auto_format_prefers_w4a8_for_4bit_then_w8a8_on_a_capable_cpu_then_keeps_a_4bit_source_4bit_then_fits_memory(monkeypatch):
     from localspec import session
     from localspec.registry import load_registry
 
     registry = load_registry()
     cpu = torch.device("cpu")
+    monkeypatch.setattr(session, "_w4a8_kernel_name", lambda: "AVX2")
+    assert session.choose_quant(registry.get("qwen2.5-coder-1.5b"), "auto", cpu)[0] == "w4a8"
+    monkeypatch.setattr(session, "_w4a8_kernel_name", lambda: None)  # no compiler: as before
     monkeypatch.setattr(session, "w8a8_supported", lambda: True)
     assert session.choose_quant(registry.get("qwen2.5-coder-1.5b"), "auto", cpu)[0] == "w8a8"
     monkeypatch.setattr(session, "w8a8_supported", lambda: False)

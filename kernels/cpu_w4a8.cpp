@@ -1,0 +1,219 @@
+// 4-bit weights x 8-bit activations for the few rows of a decode step or a verify pass (x86 CPUs).
+//
+// The layout and the arithmetic are described in cpu_w4a8.py, which builds this file on first use
+// and holds the plain torch reference. In short, for each tile of 16 output features and each
+// group of 32 inputs the weights are one 320-byte block: 256 bytes of 4-bit codes arranged for
+// the integer dot-product instruction, then 16 fp16 scales, then 16 fp16 mins. A pass streams the
+// blocks once; all of its rows are multiplied while a tile's blocks are in cache.
+//
+// A row's result depends only on that row: its quantization, its integer sums and the order of
+// its float operations are the same whatever other rows share the call and however the tiles are
+// split between threads. That is what keeps a verify pass equal to one-token decoding.
+//
+// No torch headers: the threads come from OpenMP, which resolves to the libgomp that torch has
+// already loaded (same soname), so torch and this kernel share one thread pool.
+
+#include <immintrin.h>
+#include <omp.h>
+#include <stdint.h>
+#include <string.h>
+
+namespace {
+
+constexpr int64_t GROUP = 32;          // inputs per scale/min
+constexpr int64_t TILE = 16;           // outputs per block
+constexpr int64_t CODE_BYTES = 256;    // TILE * GROUP / 2
+constexpr int64_t BLOCK_BYTES = 320;   // codes + 16 fp16 scales + 16 fp16 mins
+
+inline int32_t four_bytes(const int8_t* p) {
+  int32_t v;
+  memcpy(&v, p, 4);
+  return v;
+}
+
+// ---- activations: each row quantized on its own (absmax / 127), with its sums per group ---------
+
+__attribute__((target("avx512f,avx512bw")))
+void quantize_row_avx512(const float* x, int64_t k, int8_t* q, float* scale, float* group_sums) {
+  __m512 amax = _mm512_setzero_ps();
+  for (int64_t i = 0; i < k; i += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_loadu_ps(x + i)));
+  float m = _mm512_reduce_max_ps(amax);
+  float s = (m > 1e-12f ? m : 1e-12f) / 127.0f;
+  *scale = s;
+  const __m512 sv = _mm512_set1_ps(s), lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
+  for (int64_t g = 0; g < k / GROUP; ++g) {
+    __m512i sum = _mm512_setzero_si512();
+    for (int64_t j = 0; j < GROUP; j += 16) {
+      __m512 v = _mm512_div_ps(_mm512_loadu_ps(x + g * GROUP + j), sv);
+      v = _mm512_min_ps(_mm512_max_ps(_mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), lo), hi);
+      __m512i iv = _mm512_cvtps_epi32(v);
+      sum = _mm512_add_epi32(sum, iv);
+      _mm_storeu_si128((__m128i*)(q + g * GROUP + j), _mm512_cvtsepi32_epi8(iv));
+    }
+    group_sums[g] = (float)_mm512_reduce_add_epi32(sum);
+  }
+}
+
+__attribute__((target("avx2,fma")))
+void quantize_row_avx2(const float* x, int64_t k, int8_t* q, float* scale, float* group_sums) {
+  float m = 0.0f;
+  for (int64_t i = 0; i < k; ++i) {
+    float a = x[i] < 0 ? -x[i] : x[i];
+    m = a > m ? a : m;
+  }
+  float s = (m > 1e-12f ? m : 1e-12f) / 127.0f;
+  *scale = s;
+  const __m256 sv = _mm256_set1_ps(s), lo = _mm256_set1_ps(-127.0f), hi = _mm256_set1_ps(127.0f);
+  for (int64_t g = 0; g < k / GROUP; ++g) {
+    int32_t total = 0;
+    for (int64_t j = 0; j < GROUP; j += 8) {
+      __m256 v = _mm256_div_ps(_mm256_loadu_ps(x + g * GROUP + j), sv);
+      v = _mm256_min_ps(_mm256_max_ps(_mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), lo), hi);
+      int32_t ints[8];
+      _mm256_storeu_si256((__m256i*)ints, _mm256_cvtps_epi32(v));
+      for (int t = 0; t < 8; ++t) {
+        q[g * GROUP + j + t] = (int8_t)ints[t];
+        total += ints[t];
+      }
+    }
+    group_sums[g] = (float)total;
+  }
+}
+
+// ---- one tile of 16 outputs for R rows --------------------------------------------------------
+
+// out[r][n] = row_scale[r] * sum_g (scale[n,g] * sum_k code[n,k] q[r,k] + min[n,g] * sum_k q[r,k]) + bias[n]
+template <int R>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")))
+void tile_avx512(const uint8_t* blocks, int64_t groups, const int8_t* q, int64_t k, const float* group_sums,
+                 const float* row_scales, const float* bias, float* out, int64_t n, int64_t n0) {
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  __m512 total[R];
+  for (int r = 0; r < R; ++r) total[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* b = blocks + g * BLOCK_BYTES;
+    __m512i sums[R];
+    for (int r = 0; r < R; ++r) sums[r] = _mm512_setzero_si512();
+    for (int p = 0; p < 4; ++p) {
+      // lane n holds codes of inputs 4p..4p+3 (low nibbles) and 16+4p..16+4p+3 (high nibbles)
+      __m512i v = _mm512_loadu_si512((const void*)(b + 64 * p));
+      __m512i lo = _mm512_and_si512(v, low);
+      __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+      for (int r = 0; r < R; ++r) {
+        const int8_t* a = q + r * k + g * GROUP;
+        sums[r] = _mm512_dpbusd_epi32(sums[r], lo, _mm512_set1_epi32(four_bytes(a + 4 * p)));
+        sums[r] = _mm512_dpbusd_epi32(sums[r], hi, _mm512_set1_epi32(four_bytes(a + 16 + 4 * p)));
+      }
+    }
+    const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(b + CODE_BYTES)));
+    const __m512 mins = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(b + CODE_BYTES + 32)));
+    for (int r = 0; r < R; ++r) {
+      total[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[r]), scale, total[r]);
+      total[r] = _mm512_fmadd_ps(mins, _mm512_set1_ps(group_sums[r * groups + g]), total[r]);
+    }
+  }
+  const int64_t width = n - n0 < TILE ? n - n0 : TILE;
+  const __mmask16 keep = (__mmask16)((1u << width) - 1u);
+  const __m512 add = bias ? _mm512_maskz_loadu_ps(keep, bias + n0) : _mm512_setzero_ps();
+  for (int r = 0; r < R; ++r) {
+    __m512 y = _mm512_add_ps(_mm512_mul_ps(total[r], _mm512_set1_ps(row_scales[r])), add);
+    _mm512_mask_storeu_ps(out + r * n + n0, keep, y);
+  }
+}
+
+// The same sums with AVX2: u8 x s8 pairs (maddubs; at most 2 * 15 * 127, no saturation), then
+// pairs of pairs (madd with ones). The 16 outputs of a tile are two halves of 8.
+template <int R>
+__attribute__((target("avx2,fma,f16c")))
+void tile_avx2(const uint8_t* blocks, int64_t groups, const int8_t* q, int64_t k, const float* group_sums,
+               const float* row_scales, const float* bias, float* out, int64_t n, int64_t n0) {
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 total[R][2];
+  for (int r = 0; r < R; ++r) total[r][0] = total[r][1] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* b = blocks + g * BLOCK_BYTES;
+    for (int h = 0; h < 2; ++h) {
+      __m256i sums[R];
+      for (int r = 0; r < R; ++r) sums[r] = _mm256_setzero_si256();
+      for (int p = 0; p < 4; ++p) {
+        __m256i v = _mm256_loadu_si256((const __m256i*)(b + 64 * p + 32 * h));
+        __m256i lo = _mm256_and_si256(v, low);
+        __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+        for (int r = 0; r < R; ++r) {
+          const int8_t* a = q + r * k + g * GROUP;
+          __m256i plo = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(four_bytes(a + 4 * p))), ones);
+          __m256i phi = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, _mm256_set1_epi32(four_bytes(a + 16 + 4 * p))), ones);
+          sums[r] = _mm256_add_epi32(sums[r], _mm256_add_epi32(plo, phi));
+        }
+      }
+      const __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(b + CODE_BYTES + 16 * h)));
+      const __m256 mins = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(b + CODE_BYTES + 32 + 16 * h)));
+      for (int r = 0; r < R; ++r) {
+        total[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[r]), scale, total[r][h]);
+        total[r][h] = _mm256_fmadd_ps(mins, _mm256_set1_ps(group_sums[r * groups + g]), total[r][h]);
+      }
+    }
+  }
+  const int64_t width = n - n0 < TILE ? n - n0 : TILE;
+  for (int r = 0; r < R; ++r) {
+    float y[TILE];
+    _mm256_storeu_ps(y, _mm256_mul_ps(total[r][0], _mm256_set1_ps(row_scales[r])));
+    _mm256_storeu_ps(y + 8, _mm256_mul_ps(total[r][1], _mm256_set1_ps(row_scales[r])));
+    for (int64_t j = 0; j < width; ++j) out[r * n + n0 + j] = bias ? y[j] + bias[n0 + j] : y[j];
+  }
+}
+
+typedef void (*TileFn)(const uint8_t*, int64_t, const int8_t*, int64_t, const float*, const float*, const float*,
+                       float*, int64_t, int64_t);
+
+// Rows go in chunks of up to 8 (AVX-512: 2 x 8 accumulators fit in 32 registers) or 2 (AVX2).
+TileFn tile_fn(int isa, int rows) {
+  static const TileFn avx512[] = {tile_avx512<1>, tile_avx512<2>, tile_avx512<3>, tile_avx512<4>,
+                                  tile_avx512<5>, tile_avx512<6>, tile_avx512<7>, tile_avx512<8>};
+  static const TileFn avx2[] = {tile_avx2<1>, tile_avx2<2>};
+  return isa == 2 ? avx512[rows - 1] : avx2[rows - 1];
+}
+
+}  // namespace
+
+extern "C" {
+
+// 2: AVX-512 VNNI, 1: AVX2, 0: neither (the caller falls back to other formats).
+int w4a8_isa(void) {
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+      __builtin_cpu_supports("f16c") && __builtin_cpu_supports("fma"))
+    return 2;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) return 1;
+  return 0;
+}
+
+// x (m, k) float32 -> out (m, n) float32. scratch: m * k bytes of int8 codes, then m * (k / 32 + 1)
+// floats (group sums, row scales). k is a multiple of 32; blocks as built by cpu_w4a8.pack.
+void w4a8_linear(const float* x, int64_t m, int64_t k, const uint8_t* blocks, int64_t n, const float* bias,
+                 float* out, void* scratch, int isa) {
+  const int64_t groups = k / GROUP;
+  int8_t* q = (int8_t*)scratch;
+  float* group_sums = (float*)((char*)scratch + ((m * k + 63) / 64) * 64);
+  float* row_scales = group_sums + m * groups;
+#pragma omp parallel for schedule(static) if (m * k >= (1 << 16))
+  for (int64_t r = 0; r < m; ++r) {
+    if (isa == 2) quantize_row_avx512(x + r * k, k, q + r * k, row_scales + r, group_sums + r * groups);
+    else quantize_row_avx2(x + r * k, k, q + r * k, row_scales + r, group_sums + r * groups);
+  }
+  const int64_t tiles = (n + TILE - 1) / TILE;
+  const int chunk = isa == 2 ? 8 : 2;
+  // dynamic: a thread the OS preempts (2 cores, other processes) does not hold half the work
+#pragma omp parallel for schedule(dynamic, 4) if (tiles > 1)
+  for (int64_t t = 0; t < tiles; ++t) {
+    const uint8_t* tile_blocks = blocks + t * groups * BLOCK_BYTES;
+    for (int64_t r0 = 0; r0 < m; r0 += chunk) {
+      const int rows = (int)(m - r0 < chunk ? m - r0 : chunk);
+      tile_fn(isa, rows)(tile_blocks, groups, q + r0 * k, k, group_sums + r0 * groups, row_scales + r0, bias,
+                         out + r0 * n, n, t * TILE);
+    }
+  }
+}
+
+}  // extern "C"

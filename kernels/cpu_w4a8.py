@@ -1,0 +1,190 @@
+"""4-bit weights x 8-bit activations on x86 CPUs, made for the 1-16 rows of speculative decoding.
+
+Why: a one-token decode step reads every weight once, so its cost is the weights' bytes over the
+memory bandwidth, and a verify pass of 16 tokens should cost little more. 16-bit activations
+make each extra row pay its own multiply-adds (llama.cpp's 16-token pass costs 5.5x its one-token
+pass); oneDNN's int8 x int8 (`cpu_w8a8`) is flat but reads 8 bits per weight. This kernel reads
+5 bits per weight (4-bit codes plus fp16 scale and min per group of 32), multiplies them against
+every row of the pass with VNNI's u8 x s8 dot product (AVX2's maddubs elsewhere) while a tile of
+weights is in cache, and sums exactly in int32.
+
+Arithmetic, for a row x of the pass and an output feature n (groups g of 32 inputs):
+    x ~ s_x * a              a = round(x / s_x) in [-127, 127], s_x = absmax(x) / 127 (per row)
+    w[n, k] = c[n, k] * scale[n, g] + min[n, g]     c in 0..15 (the int4 format of int4_format.py,
+                                                     scale and min rounded to fp16)
+    y[n] = s_x * sum_g (scale[n, g] * sum_k c a + min[n, g] * sum_k a) + bias[n]
+The integer sums are exact; the float sum over groups runs in a fixed order per row, so a row's
+result does not depend on the other rows of the pass (greedy identity between decoding and
+verification holds by construction), nor on how the work is split between threads.
+
+Layout (`pack`): outputs in tiles of 16 (the last one padded with zeros), each tile a run of one
+320-byte block per group: 256 bytes of codes, byte 4n + t of 64-byte vector p holding the code of
+input 4p + t in its low nibble and of input 16 + 4p + t in its high nibble, for output n of the
+tile; then 16 fp16 scales; then 16 fp16 mins.
+
+Building: the C++ source beside this file is compiled on first use with the system's C++
+compiler (about 2 s, no torch headers) into the cache folder the caller names, and loaded with
+ctypes. Without a compiler, or on a CPU without AVX2, `load` says why and the caller keeps
+another format.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from localspec_kernels.cpu_w8a8 import quantize_rows
+from localspec_kernels.int4_format import unpack_int4
+
+GROUP = 32
+TILE = 16
+BLOCK_BYTES = 320
+SOURCE = Path(__file__).with_name("cpu_w4a8.cpp")
+ISA_NAMES = {2: "AVX-512 VNNI", 1: "AVX2"}
+
+
+class KernelUnavailable(RuntimeError):
+    """The kernel cannot run here; the message says why in one line."""
+
+
+def compiler() -> str | None:
+    return shutil.which(os.environ.get("CXX", "g++"))
+
+
+@functools.cache
+def load(cache_dir: Path) -> "Kernel":
+    """The compiled kernel, built into cache_dir once per source and compiler; raises
+    KernelUnavailable (one line) when it cannot be built or this CPU lacks AVX2."""
+    if os.uname().machine not in ("x86_64", "AMD64"):
+        raise KernelUnavailable(f"the w4a8 kernel is for x86 CPUs, this is {os.uname().machine}")
+    cxx = compiler()
+    if cxx is None:
+        raise KernelUnavailable("no C++ compiler found (install g++, or set CXX) to build the w4a8 kernel")
+    try:
+        version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise KernelUnavailable(f"the C++ compiler {cxx} does not run ({exc})") from None
+    flags = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-fno-math-errno"]
+    key = hashlib.sha256(SOURCE.read_bytes() + version.encode() + " ".join(flags).encode()).hexdigest()[:16]
+    library = Path(cache_dir) / f"cpu_w4a8-{key}.so"
+    if not library.is_file():
+        library.parent.mkdir(parents=True, exist_ok=True)
+        # a private file, then an atomic rename: two processes building at once never share a file
+        fd, partial = tempfile.mkstemp(dir=library.parent, prefix=library.name, suffix=".partial")
+        os.close(fd)
+        try:
+            done = subprocess.run([cxx, *flags, str(SOURCE), "-o", partial], capture_output=True, text=True, timeout=300)
+            if done.returncode != 0:
+                last = (done.stderr.strip().splitlines() or ["no message"])[-1]
+                raise KernelUnavailable(f"building the w4a8 kernel with {cxx} failed: {last}")
+            os.replace(partial, library)
+        except (OSError, subprocess.SubprocessError) as exc:
+            raise KernelUnavailable(f"building the w4a8 kernel with {cxx} failed: {exc}") from None
+        finally:
+            Path(partial).unlink(missing_ok=True)
+    return Kernel(ctypes.CDLL(str(library)))
+
+
+class Kernel:
+    def __init__(self, library: ctypes.CDLL) -> None:
+        self.isa = library.w4a8_isa()
+        if self.isa == 0:
+            raise KernelUnavailable("this CPU has neither AVX2 nor AVX-512 VNNI for the w4a8 kernel")
+        self._linear = library.w4a8_linear
+        self._linear.restype = None
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        self._linear.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr, ptr, ctypes.c_int]
+
+    @property
+    def name(self) -> str:
+        return ISA_NAMES[self.isa]
+
+    def linear(self, x: torch.Tensor, blocks: torch.Tensor, n: int, bias: torch.Tensor | None, isa: int | None = None) -> torch.Tensor:
+        """x (M, K) float32 contiguous, blocks from `pack`, bias (N,) float32 or None -> (M, N) float32."""
+        m, k = x.shape
+        out = torch.empty(m, n, dtype=torch.float32)  # (M, N)
+        scratch = torch.empty(scratch_bytes(m, k), dtype=torch.uint8)
+        self._linear(x.data_ptr(), m, k, blocks.data_ptr(), n, 0 if bias is None else bias.data_ptr(),
+                     out.data_ptr(), scratch.data_ptr(), self.isa if isa is None else isa)
+        return out
+
+
+def scratch_bytes(m: int, k: int) -> int:
+    """Quantized rows (64-byte aligned), then per-row group sums and scales (float32)."""
+    return -(-m * k // 64) * 64 + 4 * m * (k // GROUP + 1)
+
+
+def pack(packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
+    """The int4 format (packed uint8 (N, K/2), scales and mins (N, K/32)) -> the kernel's blocks,
+    uint8 (ceil(N/16) * K/32 * 320,)."""
+    codes = unpack_int4(packed)  # (N, K)
+    n, k = codes.shape
+    groups = k // GROUP
+    pad = -n % TILE
+    codes = torch.nn.functional.pad(codes, (0, 0, 0, pad))  # (Np, K)
+    scales16 = torch.nn.functional.pad(scales.to(torch.float16), (0, 0, 0, pad))  # (Np, G)
+    mins16 = torch.nn.functional.pad(mins.to(torch.float16), (0, 0, 0, pad))
+    tiles = codes.shape[0] // TILE
+    c = codes.reshape(tiles, TILE, groups, 2, 4, 4)  # (tile, n, g, half, p, t): input = 16 half + 4p + t
+    c = c.permute(0, 2, 4, 1, 5, 3)  # (tile, g, p, n, t, half)
+    vectors = (c[..., 0] | (c[..., 1] << 4)).reshape(tiles, groups, 256)  # low nibble: first half
+    s = scales16.reshape(tiles, TILE, groups).transpose(1, 2).contiguous().view(torch.uint8)  # (tile, g, 32)
+    mn = mins16.reshape(tiles, TILE, groups).transpose(1, 2).contiguous().view(torch.uint8)
+    return torch.cat((vectors, s, mn), dim=-1).reshape(-1).contiguous()  # (tiles * G * 320,)
+
+
+def w4a8_linear_reference(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
+                          bias: torch.Tensor | None) -> torch.Tensor:
+    """The plain torch meaning of the kernel: exact integer sums per group, in float64 after."""
+    rows = x.reshape(-1, x.shape[-1]).float()
+    a, row_scales = quantize_rows(rows)  # (M, K) integer-valued, (M, 1)
+    m, k = a.shape
+    codes = unpack_int4(packed).to(torch.int64).reshape(-1, k // GROUP, GROUP)  # (N, G, 32)
+    a = a.to(torch.int64).reshape(m, k // GROUP, GROUP)  # (M, G, 32)
+    sums = torch.einsum("mgk,ngk->mng", a, codes).double()  # (M, N, G) exact
+    group_sums = a.sum(-1).double()  # (M, G)
+    s = scales.to(torch.float16).double()  # (N, G)
+    mn = mins.to(torch.float16).double()
+    y = (sums * s).sum(-1) + group_sums @ mn.t()  # (M, N)
+    y = y * row_scales.double()
+    if bias is not None:
+        y = y + bias.double()
+    return y.float().reshape(*x.shape[:-1], -1)
+
+
+class W4A8Linear(torch.nn.Module):
+    """nn.Linear run by the kernel: int4 weights (the kernel's blocks) x per-row int8 activations,
+    float32 in and out."""
+
+    def __init__(self, in_features: int, out_features: int, blocks: torch.Tensor, bias: torch.Tensor | None,
+                 kernel: Kernel) -> None:
+        super().__init__()
+        if in_features % GROUP:
+            raise ValueError(f"in_features={in_features} is not a multiple of {GROUP}")
+        self.in_features, self.out_features = in_features, out_features
+        self.register_buffer("blocks", blocks)  # (tiles * G * 320,) uint8, often memory-mapped
+        self.bias = None if bias is None else torch.nn.Parameter(bias.detach().float(), requires_grad=False)
+        self.kernel = kernel
+
+    @classmethod
+    def from_int4(cls, source: torch.nn.Module, kernel: Kernel, blocks: torch.Tensor | None = None) -> "W4A8Linear":
+        """From an Int4Linear (the int4 cache's module); `blocks` when already packed on disk."""
+        if blocks is None:
+            blocks = pack(source.packed, source.scales, source.mins)
+        return cls(source.in_features, source.out_features, blocks, source.bias, kernel)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, kernel={self.kernel.name}"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., in) -> (..., out) float32
+        rows = x.reshape(-1, self.in_features).float().contiguous()  # (M, in)
+        out = self.kernel.linear(rows, self.blocks, self.out_features, self.bias)  # (M, out)
+        return out.reshape(*x.shape[:-1], self.out_features)

@@ -1,0 +1,173 @@
+"""The w4a8 CPU kernel against its torch reference, row independence, the fallback when it cannot
+be built, and a real model on it: memory-mapped blocks, repacking a damaged file, exact speculation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import hf_greedy
+from localspec import quant as quantization
+from localspec.config import GenerationLimits, SpecConfig
+from localspec.engine import Engine
+from localspec.errors import LocalspecError
+from localspec.proposers import DraftModelProposer, NgramProposer
+from localspec_kernels import cpu_w4a8
+from localspec_kernels.int4_format import quantize_int4
+
+
+def kernel_or_none():
+    try:
+        return quantization.w4a8_kernel()
+    except LocalspecError:
+        return None
+
+
+KERNEL = kernel_or_none()
+needs_kernel = pytest.mark.skipif(KERNEL is None, reason="the w4a8 kernel cannot be built or run here")
+ISAS = [isa for isa in (2, 1) if KERNEL is not None and KERNEL.isa >= isa]
+
+
+def random_layer(n: int, k: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    weight = torch.randn(n, k, generator=gen) * 0.05
+    packed, scales, mins = quantize_int4(weight, cpu_w4a8.GROUP)
+    bias = torch.randn(n, generator=gen)
+    return packed, scales, mins, bias
+
+
+@needs_kernel
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("n, k", [(1, 32), (37, 64), (257, 96), (16, 1536), (300, 8960)])
+def test_kernel_matches_reference_for_every_width_and_a_row_alone_equals_the_row_among_16(isa, n, k):
+    packed, scales, mins, bias = random_layer(n, k, seed=n + k)
+    blocks = cpu_w4a8.pack(packed, scales, mins)
+    x = torch.randn(16, k, generator=torch.Generator().manual_seed(k)) * 3
+    x[5] = 0.0  # an all-zero row: scale clamps, output is the bias
+    x[6, 0] = 1e4  # an outlier row
+    together = KERNEL.linear(x, blocks, n, bias, isa)  # (16, N)
+    for m in range(1, 17):
+        got = KERNEL.linear(x[:m].contiguous(), blocks, n, bias, isa)
+        # bit for bit: the rows of a verify pass compute what one-token decoding computes
+        assert torch.equal(got, together[:m]), m
+    reference = cpu_w4a8.w4a8_linear_reference(x, packed, scales, mins, bias)
+    # integer sums are exact; the float sum over K/32 groups in float32: within 1e-5 of each row's largest output
+    bound = 1e-5 * reference.abs().amax(dim=1, keepdim=True) + 1e-6
+    assert ((together - reference).abs() <= bound).all()
+    assert torch.equal(together[5], bias)
+
+
+@needs_kernel
+def test_the_two_instruction_sets_agree_and_bias_is_optional():
+    if len(ISAS) < 2:
+        pytest.skip("this CPU runs only the AVX2 path")
+    packed, scales, mins, bias = random_layer(70, 192, seed=3)
+    blocks = cpu_w4a8.pack(packed, scales, mins)
+    x = torch.randn(9, 192)
+    reference = cpu_w4a8.w4a8_linear_reference(x, packed, scales, mins, None)
+    for isa in ISAS:
+        got = KERNEL.linear(x, blocks, 70, None, isa)
+        assert (got - reference).abs().max() <= 1e-5 * reference.abs().max()
+
+
+@needs_kernel
+def test_linear_module_keeps_leading_dims_and_adds_bias():
+    packed, scales, mins, bias = random_layer(48, 64, seed=1)
+    from localspec_kernels.int4_linear import Int4Linear
+
+    source = Int4Linear(64, 48, True, 32, torch.float32)
+    source.packed.copy_(packed)
+    source.scales.copy_(scales)
+    source.mins.copy_(mins)
+    source.bias.data.copy_(bias)
+    layer = cpu_w4a8.W4A8Linear.from_int4(source, KERNEL)
+    x = torch.randn(1, 5, 64, dtype=torch.bfloat16)
+    out = layer(x)
+    assert out.shape == (1, 5, 48) and out.dtype == torch.float32
+    expected = cpu_w4a8.w4a8_linear_reference(x.float(), packed, scales, mins, bias)
+    assert (out - expected).abs().max() <= 1e-5 * expected.abs().max() + 1e-6
+
+
+def test_pack_places_each_code_where_the_kernel_reads_it():
+    n, k = 17, 64
+    codes = torch.randint(0, 16, (n, k), dtype=torch.uint8)
+    packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
+    scales, mins = torch.rand(n, 2), torch.rand(n, 2)
+    blocks = cpu_w4a8.pack(packed, scales, mins).reshape(2, 2, 320)  # (tile, group, bytes)
+    for out, inp in [(0, 0), (3, 5), (16, 63), (9, 17), (15, 48)]:
+        tile, row, group, within = out // 16, out % 16, inp // 32, inp % 32
+        half, p, t = within // 16, (within % 16) // 4, within % 4
+        byte = int(blocks[tile, group, 64 * p + 4 * row + t])
+        assert (byte >> 4 if half else byte & 15) == codes[out, inp]
+        stored_scale = blocks[tile, group, 256 + 2 * row : 258 + 2 * row].view(torch.float16)
+        assert stored_scale.item() == scales[out, group].half().item()
+    assert blocks[1, 0, 4:64].eq(0).all(), "padded outputs are zero"
+
+
+def test_without_a_compiler_the_kernel_says_why_and_auto_takes_another_format(monkeypatch, tmp_path, capsys):
+    from localspec import session
+    from localspec.registry import load_registry
+
+    monkeypatch.setenv("LOCALSPEC_HOME", str(tmp_path))
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    cpu_w4a8.load.cache_clear()
+    session._say_once.cache_clear()
+    try:
+        with pytest.raises(LocalspecError, match="no C\\+\\+ compiler"):
+            quantization.check_supported("w4a8", torch.device("cpu"))
+        quant, reason = session.choose_quant(load_registry().get("qwen2.5-coder-1.5b"), "auto", torch.device("cpu"))
+        assert quant in ("w8a8", "int4") and "w4a8" not in reason
+        assert "no C++ compiler found" in capsys.readouterr().err
+        monkeypatch.setenv("CXX", "false")  # a compiler that fails
+        with pytest.raises(cpu_w4a8.KernelUnavailable, match="building the w4a8 kernel"):
+            cpu_w4a8.load(tmp_path / "other")
+        assert not list((tmp_path / "other").glob("*.so*")), "a failed build leaves nothing behind"
+    finally:
+        cpu_w4a8.load.cache_clear()
+        session._say_once.cache_clear()
+
+
+@needs_kernel
+def test_auto_takes_w4a8_for_a_4bit_model_on_a_cpu_that_builds_it():
+    from localspec import session
+    from localspec.registry import load_registry
+
+    quant, reason = session.choose_quant(load_registry().get("qwen2.5-coder-1.5b"), "auto", torch.device("cpu"))
+    assert quant == "w4a8" and KERNEL.name in reason
+    with pytest.raises(LocalspecError, match="w4a8 is a CPU format"):
+        quantization.check_supported("w4a8", torch.device("mps"))
+
+
+@pytest.mark.real_model
+@needs_kernel
+def test_w4a8_runs_the_int4_cache_from_stored_blocks_and_speculation_reproduces_its_greedy_output():
+    import localspec.loading as loading
+    from localspec.registry import load_registry
+
+    entry = load_registry().get("smollm2-135m")
+    loaded = loading.load_model(entry, torch.bfloat16, quant="w4a8", progress=False)
+    assert loaded.quant == "w4a8" and loaded.dtype == torch.float32
+    folder = loading._quant_dir(entry, "int4")
+    blocks_file = folder / quantization.W4A8_LAYOUT
+    assert blocks_file.is_file(), "the kernel's blocks are stored beside the int4 weights"
+    layers = [m for m in loaded.model.modules() if isinstance(m, cpu_w4a8.W4A8Linear)]
+    assert len(layers) == 30 * 7 + 1  # every projection and the output layer
+    assert all(p.dtype == torch.float32 for n, p in loaded.model.named_parameters() if "embed_tokens" not in n)
+    ids = loaded.tokenizer("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n", return_tensors="pt").input_ids[0].tolist()
+    expected = hf_greedy(loaded.model, ids, 32)
+    for proposer in (NgramProposer(), DraftModelProposer(loaded.model)):
+        engine = Engine(loaded.model, None, proposer, SpecConfig(draft_len=6))
+        out = [p.token_id for ev in engine.generate(ids, limits=GenerationLimits(32)) for p in ev.pieces]
+        assert out == expected, proposer
+    # a warm load maps the stored blocks; a damaged file is packed again, to the same model
+    with torch.no_grad():
+        logits = loaded.model(torch.tensor([ids])).logits
+    again = loading.load_model(entry, torch.bfloat16, quant="w4a8", progress=False)
+    with torch.no_grad():
+        assert torch.equal(again.model(torch.tensor([ids])).logits, logits)
+    del again
+    blocks_file.write_bytes(b"garbage")
+    repacked = loading.load_model(entry, torch.bfloat16, quant="w4a8", progress=False)
+    with torch.no_grad():
+        assert torch.equal(repacked.model(torch.tensor([ids])).logits, logits)
+    assert blocks_file.stat().st_size > 1000
