@@ -100,6 +100,16 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_options(chat)
     chat.add_argument("--system", default="", help="system prompt")
     chat.add_argument("--fake-engine", action="store_true", help=argparse.SUPPRESS)  # scripted answers, for tests
+
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server for editors, agents and web UIs")
+    _add_model_options(serve)
+    serve.add_argument("--proposer", default="auto", choices=PROPOSERS)
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: this machine only)")
+    serve.add_argument("--port", type=int, default=8080)
+    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (default: $LOCALSPEC_API_KEY)")
+    serve.add_argument("--insecure", action="store_true", help="allow a non-local --host without an API key")
+    serve.add_argument("--cors", action="append", default=[], metavar="ORIGIN", help="let browsers from ORIGIN call the API (repeatable)")
+    serve.add_argument("--queue", type=int, default=8, help="requests that may wait while one generates (beyond: 429)")
     return parser
 
 
@@ -265,13 +275,24 @@ def cmd_chat(args: argparse.Namespace) -> int:
     return run_chat(settings, fake_engine=args.fake_engine)
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    import os
+
+    from localspec.server import ServeConfig, serve, session_loader
+
+    config = ServeConfig(host=args.host, port=args.port, api_key=args.api_key or os.environ.get("LOCALSPEC_API_KEY") or None,
+                         insecure=args.insecure, cors=tuple(args.cors), queue=args.queue)
+    return serve(config, session_loader(args.model, args.proposer, args.dtype, spec_from(args, args.proposer)))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv or ["chat"])  # bare `localspec` opens the chat
     try:
         return {"run": cmd_run, "models": cmd_models, "bench": cmd_bench, "chat": cmd_chat,
-                "pull": cmd_pull, "rm": cmd_rm, "pair": cmd_pair, "train-eagle": cmd_train_eagle}[args.command](args)
+                "pull": cmd_pull, "rm": cmd_rm, "pair": cmd_pair, "train-eagle": cmd_train_eagle,
+                "serve": cmd_serve}[args.command](args)
     except LocalspecError as exc:
         print(f"localspec: error: {exc}", file=sys.stderr)
         return 2
