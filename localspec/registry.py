@@ -297,13 +297,15 @@ def choose_proposer(
     downloaded: set[str] | None = None,
     memory: int | None = None,
     history: dict[str, Measured] | None = None,
+    head_error: str | None = None,
 ) -> Choice:
     """Resolve --proposer auto into a concrete proposer, with the one-line reason shown to the user.
 
     Order: EAGLE head > draft model > n-gram > none. A candidate is passed over when it is not
     implemented, not downloaded, does not fit in `memory` (bytes free for weights and caches)
     beside the target, or was measured slower than plain decoding on this machine (`history`,
-    keyed by pair_key); the EAGLE head also when a draft was measured faster here. A saved
+    keyed by pair_key); the EAGLE head also when a draft was measured faster here, or when it
+    could not be loaded (`head_error`, the reason). A saved
     `localspec pair` result comes first, being a measurement itself. Unknown facts (None) exclude
     nothing.
     """
@@ -345,7 +347,9 @@ def choose_proposer(
                 paired.draft,
             )
 
-    if has_eagle_head(entry.name):
+    if head_error is not None:
+        skipped.append(f"the EAGLE head here cannot be loaded: {head_error}")
+    elif has_eagle_head(entry.name):
         eagle = known("eagle")
         # a draft measured faster here wins over the head (heads trained on a small machine can be weak)
         rivals = [(m.speedup, name) for name in entry.drafts if (m := known(pair_key("draft", name))) and have(name)]

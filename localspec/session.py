@@ -7,6 +7,7 @@ files or dtype choices.
 from __future__ import annotations
 
 import functools
+import gc
 import sys
 from dataclasses import dataclass
 
@@ -17,8 +18,8 @@ from localspec import quant as quantization
 from localspec.config import SpecConfig, eagle_head_dir, has_eagle_head
 from localspec.costs import CostModel, WIDTHS, load_calibrations, measured_costs, save_calibration
 from localspec.engine import Engine
-from localspec.errors import LocalspecError
-from localspec.loading import LoadedModel, hub_snapshot, load_model, pick_device
+from localspec.errors import LocalspecError, is_out_of_memory
+from localspec.loading import LoadedModel, first_line, hub_snapshot, load_model, pick_device
 from localspec.pairing import check_tokenizers, situation
 from localspec.proposers import DraftModelProposer, NgramProposer
 from localspec.proposers.eagle import EagleProposer
@@ -140,8 +141,16 @@ def load_eagle(target: LoadedModel, spec: SpecConfig, costs: CostModel | None) -
             f"no EAGLE head for {target.name} on this machine ({folder}); "
             f"train one with `{train_command(load_registry().get(target.name))}` or use --proposer draft/ngram"
         )
-    checkpoint = load_head(folder, target.model.config)
-    head = build_head(checkpoint, target.model, torch.float32).to(target.device)
+    try:
+        checkpoint = load_head(folder, target.model.config)
+        head = build_head(checkpoint, target.model, torch.float32).to(target.device)
+    except LocalspecError as exc:
+        raise LocalspecError(f"the EAGLE head in {folder} does not fit {target.name}: {exc}") from exc
+    except Exception as exc:  # a damaged file (truncated safetensors, config.json of another shape)
+        raise LocalspecError(
+            f"the EAGLE head in {folder} is damaged ({first_line(exc)}); train it again with "
+            f"`{train_command(load_registry().get(target.name))}`"
+        ) from exc
     return EagleProposer(head, target.model, costs, top_k=spec.tree_top_k, nodes=spec.tree_nodes, depth=spec.tree_depth)
 
 
@@ -275,23 +284,44 @@ def open_session(
     spec: SpecConfig | None = None,
     quiet: bool = False,
     registry: Registry | None = None,
+    head_error: str | None = None,
 ) -> Session:
+    """Load and calibrate; `head_error` (set by the retry below) says why auto must pass over the EAGLE head."""
     registry = registry or load_registry()
     entry = registry.get(model)
     spec = spec or SpecConfig(proposer=proposer)
-    proposer, reason, draft_name = choose_proposer(proposer, entry, registry, **situation(registry, entry.name))
+    requested = proposer
+    proposer, reason, draft_name = choose_proposer(
+        proposer, entry, registry, head_error=head_error, **situation(registry, entry.name)
+    )
     draft_entry = registry.get(draft_name) if draft_name else None
+    short = None
     try:
         target, draft, dtype_reason = load_models(entry, draft_entry, proposer, dtype, spec, quiet)
-    except (MemoryError, torch.OutOfMemoryError, LocalspecError) as exc:
-        memory_short = not isinstance(exc, LocalspecError) or "memory" in str(exc)
+    except Exception as exc:
+        memory_short = is_out_of_memory(exc) or (isinstance(exc, LocalspecError) and "memory" in str(exc))
         if draft_entry is None or not memory_short:
             raise
+        short = first_line(exc)
+    if short is not None:
+        # Out of the except block, the traceback no longer holds the first attempt's target:
+        # collect it before the retry, or two targets would have to fit at once.
+        gc.collect()
         # the draft is what did not fit (the target alone is loaded next): go on with prompt lookup
         proposer = "ngram"
-        reason = f"the draft {draft_entry.name} did not fit in memory ({exc}); using prompt lookup instead"
+        reason = f"the draft {draft_entry.name} did not fit in memory ({short}); using prompt lookup instead"
         notice(reason, quiet)
         draft_entry = None
         target, draft, dtype_reason = load_models(entry, None, proposer, dtype, spec, quiet)
-    engine = make_engine(target, draft, proposer, spec, reason)
-    return Session(entry, target, draft, engine, proposer, reason, dtype_reason)
+    try:
+        engine = make_engine(target, draft, proposer, spec, reason)
+    except LocalspecError as exc:
+        if requested != "auto" or proposer != "eagle" or head_error is not None:  # retried once at most
+            raise
+        head_error = first_line(exc)
+    else:
+        return Session(entry, target, draft, engine, proposer, reason, dtype_reason)
+    # auto picked a head that cannot be loaded: choose again without it (the reason says why)
+    del target, draft
+    gc.collect()
+    return open_session(model, requested, dtype, spec, quiet, registry, head_error=head_error)

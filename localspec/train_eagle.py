@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from localspec.errors import LocalspecError
+from localspec.loading import first_line
 from localspec.proposers.eagle import FeatureTap
 from localspec.proposers.eagle_head import EagleHead, HeadConfig, dense_weight, save_head
 
@@ -277,6 +278,24 @@ def collate(records: list[dict], head_dtype: torch.dtype, device) -> dict:
     }
 
 
+_RECORD_KEYS = {"ids", "valid", "features", "final"}
+
+
+def load_resume_file(path: Path, keys: tuple[str, ...]) -> dict:
+    """A resume file through torch's weights-only loader: tensors, numbers, lists and dicts only,
+    so a planted file cannot run code; a damaged or foreign one is one line naming it."""
+    try:
+        stored = torch.load(path, weights_only=True)
+    except Exception as exc:
+        # torch's own message for a refused object suggests weights_only=False: not said here
+        refused = "Weights only load failed" in str(exc)
+        reason = "not only tensors and numbers: refused, as loading it could run code" if refused else first_line(exc)
+        raise LocalspecError(f"{path} cannot be read as localspec training state ({reason}); delete it to redo that step") from exc
+    if not isinstance(stored, dict) or not set(keys) <= stored.keys():
+        raise LocalspecError(f"{path} is not localspec training state (expected {', '.join(keys)}); delete it to redo that step")
+    return stored
+
+
 def train_eagle(target_loaded, out_dir: Path, data: list[Path] | None, settings: TrainSettings, quiet: bool = False) -> dict:
     """Train (or resume training) a head for the loaded target; writes it to out_dir in the
     official layout and returns a summary."""
@@ -291,17 +310,23 @@ def train_eagle(target_loaded, out_dir: Path, data: list[Path] | None, settings:
     torch.manual_seed(settings.seed)
     settings_file = out_dir / "train_settings.json"
     if settings_file.exists():
-        saved = json.loads(settings_file.read_text())
+        try:
+            saved = json.loads(settings_file.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise LocalspecError(f"{settings_file} cannot be read ({exc}); use another --out") from exc
         # more epochs continue a run; anything else would mix two different runs
-        if {**saved, "epochs": settings.epochs} != asdict(settings):
+        if not isinstance(saved, dict) or {**saved, "epochs": settings.epochs} != asdict(settings):
             raise LocalspecError(f"{out_dir} holds a training run with other settings ({settings_file}); use another --out")
     settings_file.write_text(json.dumps(asdict(settings), indent=1) + "\n")
     sources = data or default_sources()
 
     data_file = out_dir / "train_data.pt"
     if data_file.exists():
-        stored = torch.load(data_file, weights_only=False)
+        stored = load_resume_file(data_file, ("records", "used"))
         records, used = stored["records"], stored["used"]
+        if not (isinstance(records, list) and all(isinstance(r, dict) and _RECORD_KEYS <= r.keys() for r in records)
+                and isinstance(used, torch.Tensor)):
+            raise LocalspecError(f"{data_file} does not hold recorded features; delete it to record them again")
     else:
         sequences = [(ids, 0) for ids in file_sequences(tokenizer, sources, settings, rng)] if settings.max_tokens else []
         if settings.self_distill:
@@ -342,10 +367,13 @@ def train_eagle(target_loaded, out_dir: Path, data: list[Path] | None, settings:
     step = 0
     state_file = out_dir / "train_state.pt"
     if state_file.exists():
-        state = torch.load(state_file, weights_only=False)
-        head.load_state_dict(state["head"])
-        optimizer.load_state_dict(state["optimizer"])
-        step = state["step"]
+        state = load_resume_file(state_file, ("head", "optimizer", "step"))
+        try:
+            head.load_state_dict(state["head"])
+            optimizer.load_state_dict(state["optimizer"])
+            step = int(state["step"])
+        except (RuntimeError, ValueError, KeyError, TypeError) as exc:
+            raise LocalspecError(f"{state_file} does not fit this head ({exc}); delete it to train from the start") from exc
         schedule.last_epoch = step - 1  # the schedule spans the epochs asked for now
         schedule.step()
     device = next(target.parameters()).device

@@ -1,0 +1,83 @@
+"""The rules for files localspec writes and the names it builds paths from, in one place. No torch.
+
+- check_name: registry model names, mirror file names and chat ids become path components, so
+  they match a strict pattern (no separator, no "..", no leading dot) before any path is built.
+- inside: whether a path lies strictly inside a folder once links are resolved (checked before
+  deleting it).
+- write_text_atomic: readers see the old text or the new, never half of it; each call has its own
+  temporary name, so two processes never write the same temporary file.
+- locked: an exclusive lock around a read-modify-write of a file two processes may share
+  (calibration, pairing history, the user registry).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import re
+import tempfile
+from pathlib import Path
+from typing import Iterator
+
+from localspec.errors import LocalspecError
+
+NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,127}")
+"""A name that is one path component: starts with a letter or digit, then letters, digits, . _ + -."""
+
+
+def check_name(name: object, what: str) -> str:
+    """`name` if it can be used as a single path component; otherwise a one-line error naming it."""
+    if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name) or ".." in name:
+        raise LocalspecError(
+            f"{what} {name!r} is not a valid name (letters, digits and . _ + - only, starting with a letter "
+            "or digit, no '..')"
+        )
+    return name
+
+
+def inside(path: Path, root: Path) -> bool:
+    """Whether `path` lies strictly inside `root` (never `root` itself) once links are resolved."""
+    resolved, base = path.resolve(), root.resolve()
+    return resolved != base and resolved.is_relative_to(base)
+
+
+def write_text_atomic(path: Path, text: str, *, durable: bool = True) -> None:
+    """Replace `path` with `text`: a reader or a killed process sees the old file or the new one.
+
+    durable=True also syncs the file and its folder, so the new text survives a power cut; the
+    chat history, saved after every streamed batch, skips that cost.
+    """
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as out:
+            out.write(text)
+            if durable:
+                out.flush()
+                os.fsync(out.fileno())
+        os.replace(tmp, path)
+    except BaseException:  # disk full, Ctrl-C: no temporary left behind, the previous file intact
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    if durable:
+        folder = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(folder)
+        finally:
+            os.close(folder)
+
+
+@contextlib.contextmanager
+def locked(path: Path) -> Iterator[None]:
+    """Hold an exclusive lock for `path` (on `path`.lock beside it) until the block ends.
+
+    The lock file is never deleted: removing it while another process waits on it would let a
+    third process lock a new file and both proceed. The kernel drops the lock if the holder dies.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_name(path.name + ".lock"), "a") as handle:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
