@@ -37,7 +37,7 @@ COMPUTE_DTYPE = torch.bfloat16
 """Activation dtype of the weight-only quantized models."""
 
 
-W4A8_LAYOUT = "w4a8-blocks-v1.pt"
+W4A8_LAYOUT = "w4a8-blocks-v2.pt"
 """The w4a8 kernel's packed weights, beside the int4 cache (the name changes with the layout)."""
 
 
@@ -157,6 +157,10 @@ def quantize_activations(model: torch.nn.Module) -> None:
     start_packing(model)
 
 
+SAME_INPUT = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+"""Sibling linears that read the same input in Llama-family layers: w4a8 runs each set as one call."""
+
+
 def use_w4a8(model: torch.nn.Module, blocks_file: Path | None) -> None:
     """Turn a model loaded with int4 weights into w4a8: every Int4Linear run by the w4a8 kernel,
     float32 between them. The kernel's blocks are read (memory-mapped) from `blocks_file`, packed
@@ -164,11 +168,16 @@ def use_w4a8(model: torch.nn.Module, blocks_file: Path | None) -> None:
     token embedding stays as stored (a lookup reads a few rows) and hands float32 rows on."""
     kernel = w4a8_kernel()
     int4 = {name: m for name, m in model.named_modules() if isinstance(m, Int4Linear)}
-    stored = _read_blocks(blocks_file, int4) if blocks_file is not None else None
-    for name, module in int4.items():
-        _replace(model, name, cpu_w4a8.W4A8Linear.from_int4(module, kernel, None if stored is None else stored[name]))
+    groups = _same_input_groups(int4)
+    stored = _read_blocks(blocks_file, groups, int4) if blocks_file is not None else None
+    packed = {}
+    for names in groups:
+        key = "+".join(names)
+        blocks = stored[key] if stored is not None else cpu_w4a8.fused_blocks([int4[n] for n in names])
+        packed[key] = blocks
+        for name, layer in zip(names, cpu_w4a8.fuse([int4[n] for n in names], kernel, blocks)):
+            _replace(model, name, layer)
     if stored is None and blocks_file is not None:
-        packed = {name: model.get_submodule(name).blocks for name in int4}
         _save_atomic(packed, blocks_file)
     embedding = model.get_input_embeddings()
     for module in model.modules():
@@ -180,17 +189,32 @@ def use_w4a8(model: torch.nn.Module, blocks_file: Path | None) -> None:
     embedding.register_forward_hook(lambda module, args, out: out.float())
 
 
-def _read_blocks(blocks_file: Path, int4: dict[str, torch.nn.Module]) -> dict[str, torch.Tensor] | None:
+def _same_input_groups(int4: dict[str, torch.nn.Module]) -> list[list[str]]:
+    """The quantized linears in kernel calls: sets of SAME_INPUT siblings, every other one alone."""
+    groups, grouped = [], set()
+    for name in int4:
+        parent, _, leaf = name.rpartition(".")
+        for siblings in SAME_INPUT:
+            names = [f"{parent}.{s}" if parent else s for s in siblings]
+            if leaf == siblings[0] and all(n in int4 for n in names) \
+                    and len({int4[n].in_features for n in names}) == 1 and all(int4[n].out_features % cpu_w4a8.TILE == 0 for n in names):
+                groups.append(names)
+                grouped.update(names)
+    return groups + [[name] for name in int4 if name not in grouped]
+
+
+def _read_blocks(blocks_file: Path, groups: list[list[str]], int4: dict[str, torch.nn.Module]) -> dict[str, torch.Tensor] | None:
     """The stored blocks when they match these layers; a damaged or stale file is dropped (the
     blocks are packed again, the weights' cache is fine)."""
     if not blocks_file.is_file():
         return None
     try:
         stored = torch.load(blocks_file, mmap=True, weights_only=True)
-        for name, m in int4.items():
-            want = -(-m.out_features // cpu_w4a8.TILE) * (m.in_features // cpu_w4a8.GROUP) * cpu_w4a8.BLOCK_BYTES
-            if stored[name].dtype != torch.uint8 or stored[name].numel() != want:
-                raise ValueError(f"{name}: blocks of the wrong size")
+        for names in groups:
+            blocks = stored["+".join(names)]
+            want = sum(cpu_w4a8.block_bytes(int4[n].out_features, int4[n].in_features) for n in names)
+            if blocks.dtype != torch.uint8 or blocks.numel() != want:
+                raise ValueError(f"{names}: blocks of the wrong size")
         return stored
     except Exception:
         blocks_file.unlink(missing_ok=True)

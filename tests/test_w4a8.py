@@ -81,7 +81,7 @@ def test_linear_module_keeps_leading_dims_and_adds_bias():
     source.scales.copy_(scales)
     source.mins.copy_(mins)
     source.bias.data.copy_(bias)
-    layer = cpu_w4a8.W4A8Linear.from_int4(source, KERNEL)
+    layer = cpu_w4a8.fuse([source], KERNEL)[0]
     x = torch.randn(1, 5, 64, dtype=torch.bfloat16)
     out = layer(x)
     assert out.shape == (1, 5, 48) and out.dtype == torch.float32
@@ -174,3 +174,33 @@ def test_w4a8_runs_the_int4_cache_from_stored_blocks_and_speculation_reproduces_
     with torch.no_grad():
         assert torch.equal(repacked.model(torch.tensor([ids])).logits, logits)
     assert blocks_file.stat().st_size > 1000
+
+
+@needs_kernel
+def test_linears_sharing_an_input_compute_in_one_call_exactly_what_each_computes_alone(monkeypatch):
+    from localspec_kernels.int4_linear import Int4Linear
+
+    sources = []
+    for i, n in enumerate((64, 32, 32)):  # q, k, v
+        source = Int4Linear(96, n, True, 32, torch.float32)
+        packed, scales, mins, bias = random_layer(n, 96, seed=10 + i)
+        for buffer, value in ((source.packed, packed), (source.scales, scales), (source.mins, mins)):
+            buffer.copy_(value)
+        source.bias.data.copy_(bias)
+        sources.append(source)
+    alone = [cpu_w4a8.fuse([s], KERNEL)[0] for s in sources]
+    shared = cpu_w4a8.fuse(sources, KERNEL)
+    assert all(layer.shared is shared[0].shared for layer in shared)
+    calls = []
+    real = KERNEL.linear
+    monkeypatch.setattr(KERNEL, "linear", lambda *a, **k: calls.append(1) or real(*a, **k))
+    x, other = torch.randn(1, 7, 96), torch.randn(1, 7, 96)
+    outputs = [layer(x) for layer in shared]
+    assert len(calls) == 1, "one kernel call for the three"
+    for got, layer in zip(outputs, alone):
+        assert torch.equal(got, layer(x))
+    assert torch.equal(shared[1](other), alone[1](other)), "another input is computed, not served stale"
+    shared[0](other)
+    assert shared[0].shared._output is not None
+    shared[2](other)
+    assert shared[0].shared._output is None, "no tensors held once every member has its output"
