@@ -298,7 +298,7 @@ class Metrics:
             lines.extend(f"localspec_{name}{labels} {value}" for labels, value in samples)
 
         with self.lock:
-            metric("requests_total", "counter", "Generations by how they ended (stop, length, cancelled, error).",
+            metric("generations_total", "counter", "Generations by how they ended (stop, length, cancelled, error).",
                    [(f'{{finish="{k}"}}', v) for k, v in sorted(self.finished.items())])
             metric("rejected_requests_total", "counter", "Requests refused with 429 because the queue was full.", [("", self.rejected)])
             for name, help_, _ in COUNTERS:
@@ -351,8 +351,8 @@ class Turn:
             self.events.close()
             if self.started:
                 stats = self.service.served.engine.stats
-            else:  # never reached the engine: nothing was computed
-                stats = GenerationStats(prompt_tokens=self.prompt_tokens)
+            else:  # never reached the engine: nothing was computed, nothing found in the cache
+                stats, self.cached = GenerationStats(prompt_tokens=self.prompt_tokens), 0
             finish = outcome or FINISH_REASONS.get(stats.stop_reason, "stop")
             self.service.metrics.record(stats, self.cached, finish)
             self.service.log_generation(stats, self.cached, finish)
@@ -364,13 +364,16 @@ class Turn:
             return
         self.ended = True
         if self.events is not None and self.result is None:
-            self.service.pool.submit(self._close, outcome)
+            try:
+                self.service.pool.submit(self._close, outcome)
+            except RuntimeError:  # the server is shutting down: the process ends with the engine
+                pass
         self.service.lock.release()
 
 
 class Service:
-    """The app's state: the model (loaded on the engine thread at startup), the slot and queue,
-    the metrics."""
+    """The app's state: the model (loaded in the background at startup), the engine thread, the
+    slot and its queue, the metrics."""
 
     def __init__(self, load: Callable[[], Served], config: ServeConfig, log: Callable[[str], None]) -> None:
         self.load, self.config, self.log = load, config, log
@@ -386,7 +389,9 @@ class Service:
         # made here, inside the server's event loop, so a test client's loop gets its own
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="localspec-engine")
         self.lock = asyncio.Lock()
-        self.pool.submit(self._load)
+        # a daemon thread, so Ctrl-C during a long load ends the process at once; nothing else
+        # touches the engine until `served` is set
+        threading.Thread(target=self._load, name="localspec-load", daemon=True).start()
         try:
             yield
         finally:
@@ -659,7 +664,7 @@ async def _server_error(request: Request, exc: Exception) -> Response:
 
 
 def create_app(load: Callable[[], Served], config: ServeConfig = ServeConfig(), log: Callable[[str], None] | None = None) -> Starlette:
-    """The ASGI app; `load` runs on the engine thread at startup (until it returns, /health says 503)."""
+    """The ASGI app; `load` runs in the background at startup (until it returns, /health says 503)."""
     service = Service(load, config, log or (lambda line: None))
     api = Api(service)
     routes = [

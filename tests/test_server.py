@@ -313,10 +313,10 @@ def test_a_client_that_disconnects_frees_the_server_within_one_pass():
         r = httpx.post(url + "/v1/chat/completions", json={**OK, "messages": history}, timeout=30)
         body = r.json()
         text = httpx.get(url + "/metrics").text
-    assert gated.runs[0]["passes"] == 2
+    assert gated.runs[0]["passes"] <= 2  # the pass read, and at most the one after it
     assert body["choices"][0]["message"]["content"] == expected(history, 24)
     assert body["timings"]["cache_n"] > 0  # the cut-short conversation's cache was sound and reused
-    assert 'localspec_requests_total{finish="cancelled"} 1' in text
+    assert 'localspec_generations_total{finish="cancelled"} 1' in text
 
 
 def test_metrics_move_by_exactly_what_timings_report():
@@ -339,7 +339,7 @@ def test_metrics_move_by_exactly_what_timings_report():
             for i, n in enumerate(figures["accepted_at_position"]):
                 name = f'localspec_accepted_at_position_total{{position="{i}"}}'
                 assert after[name] - before.get(name, 0) == n
-        assert after['localspec_requests_total{finish="length"}'] + after.get('localspec_requests_total{finish="stop"}', 0) == 2
+        assert after['localspec_generations_total{finish="length"}'] + after.get('localspec_generations_total{finish="stop"}', 0) == 2
 
 
 # -- security -------------------------------------------------------------------------------------
@@ -384,26 +384,28 @@ def test_serve_refuses_bad_options_in_one_line_before_loading(argv, message, cap
 
 @pytest.fixture(scope="module")
 def smollm2_server():
-    from localspec.session import open_session
+    from localspec.loading import load_model
+    from localspec.registry import load_registry
 
-    session = open_session("smollm2-135m", "ngram", "float32", SpecConfig(proposer="ngram", quant="none"), quiet=True)
-    with http_server(create_app(lambda: Served("smollm2-135m", session.engine))) as url:
-        yield url, session
+    smollm2 = load_model(load_registry().get("smollm2-135m"), torch.float32, progress=False)
+    engine = Engine(smollm2.model, smollm2.tokenizer, NgramProposer())
+    with http_server(create_app(lambda: Served("smollm2-135m", engine))) as url:
+        yield url, smollm2
 
 
 @pytest.mark.real_model
 def test_openai_client_gets_what_localspec_run_prints(smollm2_server, capsys):
     import openai
 
-    url, session = smollm2_server
+    url, smollm2 = smollm2_server
     prompt = "List three colours."
     assert main(["run", prompt, "--model", "smollm2-135m", "--proposer", "ngram", "--dtype", "float32",
-                 "--quant", "none", "--max-new-tokens", "24", "--json"]) == 0
+                 "--quant", "none", "--max-new-tokens", "12", "--json"]) == 0
     run = json.loads(capsys.readouterr().out)
 
     client = openai.OpenAI(base_url=url + "/v1", api_key="unused")
     assert [m.id for m in client.models.list().data] == ["smollm2-135m"]
-    ask = dict(model="smollm2-135m", messages=[{"role": "user", "content": prompt}], max_tokens=24, temperature=0)
+    ask = dict(model="smollm2-135m", messages=[{"role": "user", "content": prompt}], max_tokens=12, temperature=0)
     whole = client.chat.completions.create(**ask)
     assert whole.choices[0].message.content == run["text"]
     assert whole.usage.prompt_tokens == run["stats"]["prompt_tokens"]
@@ -414,11 +416,11 @@ def test_openai_client_gets_what_localspec_run_prints(smollm2_server, capsys):
     assert chunks[-1].usage.total_tokens == whole.usage.total_tokens
 
     code = "def fibonacci(n):\n"
-    completion = client.completions.create(model="smollm2-135m", prompt=code, max_tokens=16, temperature=0)
-    reference = Engine(session.target.model, session.target.tokenizer, None)
-    ids = session.target.tokenizer.encode(code)
-    assert completion.choices[0].text == "".join(e.text for e in reference.generate(ids, GREEDY, GenerationLimits(16)))
-    assert completion.usage.prompt_tokens == len(ids) and completion.usage.completion_tokens == 16
+    completion = client.completions.create(model="smollm2-135m", prompt=code, max_tokens=8, temperature=0)
+    reference = Engine(smollm2.model, smollm2.tokenizer, None)
+    ids = smollm2.tokenizer.encode(code)
+    assert completion.choices[0].text == "".join(e.text for e in reference.generate(ids, GREEDY, GenerationLimits(8)))
+    assert completion.usage.prompt_tokens == len(ids) and completion.usage.completion_tokens == 8
 
 
 @pytest.mark.real_model
