@@ -141,16 +141,17 @@ def load_calibrations() -> dict:
 
 def save_calibration(key: str, value: dict) -> None:
     """Atomic write, so a crash never leaves a half-written file that would be thrown away."""
+    from localspec.files import locked, write_text_atomic
+
     path = _calibration_file()
-    data = load_calibrations()
-    data[key] = value
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
     try:
-        tmp.write_text(json.dumps(data, indent=1))
-        os.replace(tmp, path)
+        with locked(path):  # another process's measurement, saved meanwhile, is kept
+            data = load_calibrations()
+            data = data if isinstance(data, dict) else {}  # a damaged file is replaced, not added to
+            data[key] = value
+            write_text_atomic(path, json.dumps(data, indent=1))
     except OSError:
-        tmp.unlink(missing_ok=True)  # a calibration that cannot be saved is measured again next time
+        pass  # a calibration that cannot be saved is measured again next time
 
 
 def measured_costs(name: str, model: torch.nn.Module, widths: tuple[int, ...] = WIDTHS) -> dict[int, float]:

@@ -24,6 +24,7 @@ import torch
 from localspec import hub, loading
 from localspec.config import SpecConfig, home_dir
 from localspec.errors import LocalspecError
+from localspec.files import locked, write_text_atomic
 from localspec.registry import (
     EagleHead,
     Measured,
@@ -178,20 +179,35 @@ def record_generation(model: str, proposer: str, stats: GenerationStats, draft: 
     speedup = stats.measured_speedup
     if stats.new_tokens < 2 or speedup <= 0:  # no decode time, or no calibrated plain cost to compare with
         return
-    data = _read_history()
-    record = data.setdefault(machine_id(), {}).setdefault(model, {}).setdefault(
-        pair_key(proposer, draft), {"generations": 0, "tokens": 0, "speedup_tokens": 0.0, "drafted": 0, "accepted": 0}
-    )
-    record["generations"] += 1
-    record["tokens"] += stats.new_tokens
-    record["speedup_tokens"] += speedup * stats.new_tokens
-    record["drafted"] += stats.drafted
-    record["accepted"] += stats.accepted
     try:
-        _history_path().parent.mkdir(parents=True, exist_ok=True)
-        loading.write_text_atomic(_history_path(), json.dumps(data, indent=1))
+        with locked(_history_path()):  # two processes finishing at once both count
+            data = _read_history()
+            record = _history_record(data, model, pair_key(proposer, draft))
+            record["generations"] += 1
+            record["tokens"] += stats.new_tokens
+            record["speedup_tokens"] += speedup * stats.new_tokens
+            record["drafted"] += stats.drafted
+            record["accepted"] += stats.accepted
+            write_text_atomic(_history_path(), json.dumps(data, indent=1))
     except OSError:
         pass  # a history that cannot be saved only costs a less informed choice later
+
+
+_COUNTS = {"generations": 0, "tokens": 0, "speedup_tokens": 0.0, "drafted": 0, "accepted": 0}
+
+
+def _history_record(data: dict, model: str, key: str) -> dict:
+    """The counters of one pair in `data`, made anew where a hand edit left another shape."""
+    machine = data.get(machine_id())
+    machine = data[machine_id()] = machine if isinstance(machine, dict) else {}
+    records = machine.get(model)
+    records = machine[model] = records if isinstance(records, dict) else {}
+    record = records.get(key)
+    valid = isinstance(record, dict) and all(
+        isinstance(record.get(k), (int, float)) and not isinstance(record.get(k), bool) for k in _COUNTS
+    )
+    records[key] = record if valid else dict(_COUNTS)
+    return records[key]
 
 
 # --- the wizard --------------------------------------------------------------------------------
@@ -325,7 +341,6 @@ def _measure(engine, model: str, proposer: str, draft: ModelEntry | None, prompt
 
 def save_pairing(model: str, best: Candidate, speedup: float) -> None:
     """Write the winner into the user registry, keeping every setting in it (comments are not kept)."""
-    data = read_user_registry()
     paired = {
         "proposer": best.proposer, "draft_len": best.draft_len,
         "tokens_per_second": round(best.tokens_per_second, 3),
@@ -334,10 +349,11 @@ def save_pairing(model: str, best: Candidate, speedup: float) -> None:
     }
     if best.draft:
         paired["draft"] = best.draft
-    data.setdefault("models", {}).setdefault(model, {})["paired"] = paired
     path = user_registry_path()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    loading.write_text_atomic(path, to_toml(data))
+    with locked(path):  # a user edit or another `pair` saved meanwhile is kept
+        data = read_user_registry()
+        data.setdefault("models", {}).setdefault(model, {})["paired"] = paired
+        write_text_atomic(path, to_toml(data))
     load_registry()  # what was written must load: fail here, not at the next `run`
 
 

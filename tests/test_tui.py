@@ -20,6 +20,7 @@ from rich.console import Console
 from textual.widgets import Markdown, Static, TextArea
 
 from localspec.config import GenerationLimits, SpecConfig
+from localspec.errors import LocalspecError
 from localspec.tui import streaming
 from localspec.tui.app import LocalspecApp
 from localspec.tui.backend import ChatSettings, SessionBackend
@@ -118,20 +119,27 @@ def test_each_batch_is_on_disk_before_it_is_shown_and_stop_keeps_the_text(tmp_pa
 
 
 def test_disk_full_while_saving_history_keeps_the_answer_going_and_the_old_file_intact(tmp_path, monkeypatch):
-    from localspec.tui import history
+    from localspec import files
 
     monkeypatch.setattr(streaming, "BATCH_SECONDS", 0.0)
     store = HistoryStore(tmp_path)
     conv = Conversation(messages=[Message("user", "hi"), Message("assistant", partial=True)])
     store.save(conv)
     before = store.path(conv.id).read_text()
-    real_dump = history.json.dump
+    real_fdopen = files.os.fdopen
 
-    def full_disk(obj, out, **kw):
-        real_dump(obj, out, **kw)  # part of the file is written, then the disk is full
-        raise OSError(28, "No space left on device")
+    def full_disk(fd, *args, **kw):
+        out = real_fdopen(fd, *args, **kw)
+        real_write = out.write
 
-    monkeypatch.setattr(history.json, "dump", full_disk)
+        def write(text):
+            real_write(text[: len(text) // 2])  # part of the file is written, then the disk is full
+            raise OSError(28, "No space left on device")
+
+        out.write = write
+        return out
+
+    monkeypatch.setattr(files.os, "fdopen", full_disk)
     batches = []
     engine = FakeEngine("ngram", "r", draft_len=None, delay=0)
     streaming.stream_answer(engine, conv, SETTINGS, store, threading.Event(), batches.append)
@@ -139,6 +147,66 @@ def test_disk_full_while_saving_history_keeps_the_answer_going_and_the_old_file_
     assert batches[-1].done and "No space left" in batches[-1].notice
     assert store.path(conv.id).read_text() == before  # the last good file is intact
     assert list(tmp_path.glob("*.tmp")) == []  # no partial files left behind
+
+
+HOSTILE = {
+    "list.json": "[]", "not-json.json": "{", "messages.json": '{"messages": 3}',
+    "runs.json": '{"messages": [{"role": "user", "content": "x", "runs": [["a"]]}]}',
+    "keys.json": '{"messages": [{"role": "user", "colour": "red"}]}', "title.json": '{"title": ["x"]}',
+    "..json": '{"title": "dots"}',
+}
+
+
+def write_hostile_history(root: Path) -> None:
+    root.mkdir(parents=True, exist_ok=True)
+    for name, text in HOSTILE.items():
+        (root / name).write_text(text)
+    (root / "moved.json").write_text(json.dumps({"id": "../../escaped", "title": "[/x] moved", "messages": []}))
+
+
+def test_history_files_of_another_shape_are_skipped_and_ids_never_leave_the_folder(tmp_path):
+    store = HistoryStore(tmp_path / "history")
+    write_hostile_history(store.root)
+    (moved,) = store.list()  # only the one conversation-shaped file
+    assert moved.id == "moved" and moved.title == "[/x] moved"  # the id is the file's name, not its content
+    store.save(moved)
+    assert sorted(p.name for p in tmp_path.rglob("*.json") if p.name not in HOSTILE) == ["moved.json"]
+    for bad in ("..", "../x", "/etc/passwd", "a/b"):
+        with pytest.raises(LocalspecError, match="not a valid name"):
+            store.path(bad)
+        with pytest.raises(LocalspecError):
+            store.save(Conversation(id=bad))
+    with pytest.raises(LocalspecError, match=r"cannot open the conversation in .*list\.json: not a conversation"):
+        store.load("list")
+
+
+async def test_the_chat_opens_with_malformed_history_and_shows_markup_characters_as_text(tmp_path):
+    write_hostile_history(tmp_path / "history")
+    app = make_app(tmp_path)
+    markup = "[/x] [b]not bold[/b] [link=x]"
+    async with app.run_test(size=(150, 45)) as pilot:
+        await settle(pilot)
+        await ask(pilot, markup)  # typed, answered, listed, shown in the status line
+        await settle(pilot)
+        assert app.history.list()[0].messages[0].content == markup
+        await pilot.press("f2")
+        screen = app.screen
+        screen.query_one("#top_p").value = markup
+        await pilot.click("#save")
+        await pilot.pause()
+        assert markup in shown(screen.query_one("#error", Static))
+        await pilot.press("escape")
+
+        def broken(settings, status):
+            status(markup)
+            raise LocalspecError(markup)
+
+        app.backend.open = broken
+        await pilot.press("ctrl+r")
+        await settle(pilot)
+        await pilot.pause(0.2)  # the notice is drawn
+        assert any(markup in str(n.message) for n in app._notifications)
+        assert app.is_running and app.return_code is None
 
 
 def test_statistics_show_what_prompt_lookup_added_only_when_it_added_something():

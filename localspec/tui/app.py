@@ -61,7 +61,7 @@ class LocalspecApp(App):
 
     def load_failed(self, screen: LoadingScreen, error: str) -> None:
         screen.dismiss()
-        self.notify(error, title="could not load the model", severity="error", timeout=15)
+        self.notify(error, title="could not load the model", severity="error", timeout=15, markup=False)
 
     def apply_settings(self, settings: ChatSettings) -> None:
         """Settings from a screen or a key: a new engine only when the model or speculation changed."""

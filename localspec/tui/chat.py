@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 from dataclasses import replace
 
+from rich.markup import escape
 from textual import on, work
 from textual.app import ComposeResult
 from textual.binding import Binding
@@ -12,6 +13,7 @@ from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import Screen
 from textual.widgets import Footer, Header, ListView, Static, TextArea
 
+from localspec.errors import LocalspecError
 from localspec.tui.backend import available_proposers
 from localspec.tui.history import Conversation, Message, title_for
 from localspec.tui.streaming import Batch, stream_answer
@@ -70,11 +72,12 @@ class ChatScreen(Screen):
         self.show_status()
 
     def show_status(self, note: str = "") -> None:
+        """The settings line; `note` is markup (callers escape what they put in it)."""
         s = self.app.settings
         draft = "adaptive" if s.spec.draft_len is None else str(s.spec.draft_len)
         text = (f"proposer {s.spec.proposer} · draft length {draft} · temperature {s.sampling.temperature:g}"
                 f" · top-p {s.sampling.top_p:g}" + (" · system prompt" if s.system else ""))
-        self.query_one("#status", Static).update(f"[dim]{text}[/]" + (f"  {note}" if note else ""))
+        self.query_one("#status", Static).update(f"[dim]{escape(text)}[/]" + (f"  {note}" if note else ""))
 
     async def refresh_conversations(self) -> None:
         await self.query_one(ConversationList).show(self.app.history.list(), self.conversation.id)
@@ -122,13 +125,13 @@ class ChatScreen(Screen):
         await view.append("".join(p.text for p in batch.pieces))
         self.query_one(StatsPanel).show(batch.stats, batch.tokens_per_pass)
         if batch.notice:
-            self.notify(batch.notice, title="history", severity="warning", timeout=10)
+            self.notify(batch.notice, title="history", severity="warning", timeout=10, markup=False)
         if batch.done:
             await view.finish()
             self.answer_view = None
             if batch.error:
-                self.notify(batch.error, title="generation failed", severity="error", timeout=10)
-            self.show_status(f"[dim]{view.message.stop_reason}[/]")
+                self.notify(batch.error, title="generation failed", severity="error", timeout=10, markup=False)
+            self.show_status(f"[dim]{escape(view.message.stop_reason)}[/]")
 
     def action_stop(self) -> None:
         self.stop_event.set()
@@ -155,7 +158,12 @@ class ChatScreen(Screen):
     @on(ListView.Selected, "#conversations")
     async def conversation_chosen(self, event: ListView.Selected) -> None:
         if event.item.name != self.conversation.id:
-            await self.open_conversation(self.app.history.load(event.item.name))
+            try:
+                conversation = self.app.history.load(event.item.name)
+            except LocalspecError as exc:  # removed or damaged since the list was drawn
+                self.notify(str(exc), severity="error", markup=False)
+                return
+            await self.open_conversation(conversation)
 
     # -- display toggles and quick switches -----------------------------------------------------
 

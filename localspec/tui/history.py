@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from localspec.config import home_dir
+from localspec.errors import LocalspecError
+from localspec.files import check_name, write_text_atomic
 
 TITLE_CHARS = 48
 
@@ -57,9 +58,29 @@ class Conversation:
         return [{"role": m.role, "content": m.content} for m in self.messages if m.content]
 
     @classmethod
-    def from_dict(cls, raw: dict) -> Conversation:
-        messages = [Message(**m) for m in raw.get("messages", [])]
-        return cls(raw["id"], raw.get("title", "?"), raw.get("model", ""), raw.get("system", ""), messages)
+    def from_dict(cls, raw: object, conversation_id: str) -> Conversation:
+        """The conversation in a file's JSON; ValueError when it has another shape. The id is the
+        file's name, never the content's: a saved id is a path, and content may be edited."""
+        if not isinstance(raw, dict) or not isinstance(raw.get("messages", []), list):
+            raise ValueError("not a conversation")
+        texts = {k: raw.get(k, d) for k, d in (("title", "?"), ("model", ""), ("system", ""))}
+        if not all(isinstance(v, str) for v in texts.values()):
+            raise ValueError("title, model and system must be text")
+        try:
+            messages = [Message(**m) for m in raw.get("messages", [])]
+        except TypeError as exc:  # a message that is not an object, or has other keys
+            raise ValueError(f"a message has another shape ({exc})") from exc
+        if not all(_shown_safely(m) for m in messages):
+            raise ValueError("a message has another shape")
+        return cls(conversation_id, texts["title"], texts["model"], texts["system"], messages)
+
+
+def _shown_safely(m: Message) -> bool:
+    """What the chat screen reads of a message has the types it expects."""
+    runs_ok = isinstance(m.runs, list) and all(
+        isinstance(r, list) and len(r) == 2 and all(isinstance(x, int) for x in r) for r in m.runs
+    )
+    return m.role in ("user", "assistant") and isinstance(m.content, str) and isinstance(m.stop_reason, str) and runs_ok
 
 
 class HistoryStore:
@@ -67,37 +88,34 @@ class HistoryStore:
         self.root = root or home_dir() / "history"
 
     def path(self, conversation_id: str) -> Path:
-        return self.root / f"{conversation_id}.json"
+        return self.root / f"{check_name(conversation_id, 'conversation id')}.json"
 
     def save(self, conversation: Conversation) -> None:
-        # Written to a temporary file beside the real one, then renamed over it: a reader or a
-        # killed process sees the old or the new file, never half of one. No fsync: it would
-        # slow every batch, and what it adds (surviving a power cut) is not promised here.
+        # Not durable (no fsync): it would slow every batch, and surviving a power cut is not
+        # promised here; a killed process still leaves the old file or the new one.
+        path = self.path(conversation.id)
         self.root.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=self.root, prefix=f".{conversation.id}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as out:
-                json.dump(asdict(conversation), out, ensure_ascii=False, indent=1)
-            os.replace(tmp, self.path(conversation.id))
-        except BaseException:  # disk full, Ctrl-C: no half-written file left, the previous one intact
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        write_text_atomic(path, json.dumps(asdict(conversation), ensure_ascii=False, indent=1), durable=False)
 
     def load(self, conversation_id: str) -> Conversation:
-        return Conversation.from_dict(json.loads(self.path(conversation_id).read_text(encoding="utf-8")))
+        """One saved conversation; a missing or damaged file is a one-line LocalspecError."""
+        path = self.path(conversation_id)
+        try:
+            return Conversation.from_dict(json.loads(path.read_text(encoding="utf-8")), conversation_id)
+        except (OSError, ValueError) as exc:
+            raise LocalspecError(f"cannot open the conversation in {path}: {exc}") from exc
 
     def list(self) -> list[Conversation]:
-        """Saved conversations, most recently written first; unreadable files are skipped."""
+        """Saved conversations, most recently written first; files that are not one are skipped."""
         if not self.root.is_dir():
             return []
-        files = sorted(self.root.glob("*.json"), key=lambda p: p.stat().st_mtime, reverse=True)
         found = []
-        for path in files:
+        for path in self.root.glob("*.json"):
             try:
-                found.append(Conversation.from_dict(json.loads(path.read_text(encoding="utf-8"))))
-            except (OSError, ValueError, KeyError, TypeError):
+                found.append((path.stat().st_mtime, self.load(path.stem)))
+            except (OSError, LocalspecError):  # removed meanwhile, damaged, or not a valid id
                 continue
-        return found
+        return [conversation for _, conversation in sorted(found, key=lambda f: f[0], reverse=True)]
 
 
 def title_for(prompt: str) -> str:

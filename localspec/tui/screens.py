@@ -6,6 +6,7 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 
+from rich.markup import escape
 from rich.table import Table
 from textual import on, work
 from textual.app import ComposeResult
@@ -83,7 +84,7 @@ class SettingsScreen(ModalScreen[ChatSettings | None]):
         try:
             self.dismiss(self.read())
         except LocalspecError as exc:
-            self.query_one("#error", Static).update(f"[b red]{exc}[/]")
+            self.query_one("#error", Static).update(f"[b red]{escape(str(exc))}[/]")
 
     @on(Button.Pressed, "#cancel")
     def cancel(self) -> None:
@@ -102,7 +103,8 @@ class ModelPicker(ModalScreen[str | None]):
         with Vertical(id="dialog"):
             yield Label("Model (Enter loads it)", classes="title")
             names = list(self.registry.models)
-            options = OptionList(*(f"{n}  [dim]{self.registry.models[n].display}[/]" for n in names), id="models")
+            options = OptionList(*(f"{escape(n)}  [dim]{escape(self.registry.models[n].display)}[/]" for n in names),
+                                 id="models")
             options.highlighted = names.index(self.current) if self.current in names else 0
             yield options
 
@@ -141,7 +143,7 @@ class LoadingScreen(ModalScreen[None]):
 
     def compose(self) -> ComposeResult:
         with Vertical(id="dialog"):
-            yield Label(f"Loading {self.what}", classes="title")
+            yield Label(f"Loading {self.what}", classes="title", markup=False)
             yield LoadingIndicator()
             yield Static(self.stage, id="stage")
 
@@ -156,7 +158,7 @@ class LoadingScreen(ModalScreen[None]):
 
     def redraw(self) -> None:
         seconds = time.monotonic() - self.started
-        self.query_one("#stage", Static).update(f"{self.stage}  [dim]{seconds:.0f} s[/]")
+        self.query_one("#stage", Static).update(f"{escape(self.stage)}  [dim]{seconds:.0f} s[/]")
 
 
 class WizardScreen(ModalScreen[str | None]):
@@ -179,7 +181,7 @@ class WizardScreen(ModalScreen[str | None]):
             yield Label("Pair a model with its fastest proposer", classes="title")
             yield Static(f"{self.memory / 1e9:.1f} GB free for a model. Targets that fit:")
             targets = OptionList(
-                *(f"{e.name}  [dim]{e.params:.2f}B, {e.size / 1e9:.1f} GB[/]" for e in self.targets), id="targets"
+                *(f"{escape(e.name)}  [dim]{e.params:.2f}B, {e.size / 1e9:.1f} GB[/]" for e in self.targets), id="targets"
             )
             targets.highlighted = 0 if self.targets else None
             yield targets
