@@ -22,26 +22,21 @@ Layout (`pack`): outputs in tiles of 16 (the last one padded with zeros), each t
 input 4p + t in its low nibble and of input 16 + 4p + t in its high nibble, for output n of the
 tile; then 16 fp16 scales; then 16 fp16 mins.
 
-Building: the C++ source beside this file is compiled on first use with the system's C++
-compiler (about 2 s, no torch headers) into the cache folder the caller names, and loaded with
-ctypes. Without a compiler, or on a CPU without AVX2, `load` says why and the caller keeps
-another format.
+Building: the C++ source beside this file is compiled on first use (`cpu_build`, about 2 s)
+into the cache folder the caller names. Without a compiler, or on a CPU without AVX2, `load` says
+why and the caller keeps another format.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import os
-import shutil
-import subprocess
-import tempfile
 import threading
 from pathlib import Path
 
 import torch
 
+from localspec_kernels.cpu_build import KernelUnavailable, build
 from localspec_kernels.cpu_w8a8 import quantize_rows
 from localspec_kernels.int4_format import unpack_int4
 
@@ -52,46 +47,11 @@ SOURCE = Path(__file__).with_name("cpu_w4a8.cpp")
 ISA_NAMES = {2: "AVX-512 VNNI", 1: "AVX2"}
 
 
-class KernelUnavailable(RuntimeError):
-    """The kernel cannot run here; the message says why in one line."""
-
-
-def compiler() -> str | None:
-    return shutil.which(os.environ.get("CXX", "g++"))
-
-
 @functools.cache
 def load(cache_dir: Path) -> "Kernel":
-    """The compiled kernel, built into cache_dir once per source and compiler; raises
-    KernelUnavailable (one line) when it cannot be built or this CPU lacks AVX2."""
-    if os.uname().machine not in ("x86_64", "AMD64"):
-        raise KernelUnavailable(f"the w4a8 kernel is for x86 CPUs, this is {os.uname().machine}")
-    cxx = compiler()
-    if cxx is None:
-        raise KernelUnavailable("no C++ compiler found (install g++, or set CXX) to build the w4a8 kernel")
-    try:
-        version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError) as exc:
-        raise KernelUnavailable(f"the C++ compiler {cxx} does not run ({exc})") from None
-    flags = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-fno-math-errno"]
-    key = hashlib.sha256(SOURCE.read_bytes() + version.encode() + " ".join(flags).encode()).hexdigest()[:16]
-    library = Path(cache_dir) / f"cpu_w4a8-{key}.so"
-    if not library.is_file():
-        library.parent.mkdir(parents=True, exist_ok=True)
-        # a private file, then an atomic rename: two processes building at once never share a file
-        fd, partial = tempfile.mkstemp(dir=library.parent, prefix=library.name, suffix=".partial")
-        os.close(fd)
-        try:
-            done = subprocess.run([cxx, *flags, str(SOURCE), "-o", partial], capture_output=True, text=True, timeout=300)
-            if done.returncode != 0:
-                last = (done.stderr.strip().splitlines() or ["no message"])[-1]
-                raise KernelUnavailable(f"building the w4a8 kernel with {cxx} failed: {last}")
-            os.replace(partial, library)
-        except (OSError, subprocess.SubprocessError) as exc:
-            raise KernelUnavailable(f"building the w4a8 kernel with {cxx} failed: {exc}") from None
-        finally:
-            Path(partial).unlink(missing_ok=True)
-    return Kernel(ctypes.CDLL(str(library)))
+    """The compiled kernel, built into cache_dir once; raises KernelUnavailable (one line) when it
+    cannot be built or this CPU lacks AVX2."""
+    return Kernel(build(SOURCE, cache_dir, "w4a8 kernel"))
 
 
 class Kernel:

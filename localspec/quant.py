@@ -9,7 +9,7 @@
 - w4a8: the int4 weights (same cache) with each activation row quantized to int8, run by
   localspec's own x86 kernel (`localspec_kernels.cpu_w4a8`, AVX-512 VNNI or AVX2): 5 bits per
   weight read once per pass, and a 16-token verify pass costs little more than a one-token pass.
-- nf4: bitsandbytes' NF4 (CUDA only).
+- nf4: bitsandbytes' NF4 (CUDA; it also runs on a CPU, slowly, which is how the tests load it).
 Otherwise activations stay 16-bit (bf16): the weight-only CPU kernels are only fast with them.
 
 Every nn.Linear whose width fits the format is quantized, the output layer included (for a 1.5B
@@ -29,6 +29,7 @@ import torch
 from localspec.config import home_dir
 from localspec.errors import LocalspecError
 from localspec_kernels import cpu_w4a8
+from localspec_kernels.cpu_build import KernelUnavailable
 from localspec_kernels.cpu_int8 import Int8Linear, int8_shape_ok, int8_supported
 from localspec_kernels.cpu_w8a8 import W8A8Linear, start_packing, w8a8_supported
 from localspec_kernels.int4_linear import GROUP_SIZE, Int4Linear, cpu_int4_supported, int4_shape_ok
@@ -54,21 +55,25 @@ def w4a8_kernel() -> cpu_w4a8.Kernel:
     """The compiled w4a8 kernel (built once into localspec's home), or a one-line error."""
     try:
         return cpu_w4a8.load(home_dir() / "kernels")
-    except cpu_w4a8.KernelUnavailable as exc:
+    except KernelUnavailable as exc:
         raise LocalspecError(str(exc)) from None
+
+
+def uses_bitsandbytes(quant: str, device: torch.device) -> bool:
+    """nf4 anywhere, int8 on CUDA: the formats bitsandbytes' layers compute."""
+    return quant == "nf4" or (quant == "int8" and device.type == "cuda")
 
 
 def check_supported(quant: str, device: torch.device) -> None:
     """A one-line error for a format this machine cannot run."""
     if quant == "none":
         return
-    if quant == "nf4" and device.type != "cuda":
-        raise LocalspecError("--quant nf4 needs bitsandbytes on a CUDA GPU; on this machine use --quant int4")
-    if device.type == "cuda" and quant in ("nf4", "int8"):
+    if uses_bitsandbytes(quant, device):
+        # (nf4 also runs on a CPU, slowly: tests load it there the way CUDA users do)
         try:
             import bitsandbytes  # noqa: F401
         except ImportError:
-            raise LocalspecError(f"--quant {quant} on CUDA needs bitsandbytes: pip install 'localspec[cuda]'") from None
+            raise LocalspecError(f"--quant {quant} needs bitsandbytes: pip install 'localspec[cuda]'") from None
     if device.type == "cpu":
         if quant == "int4" and not cpu_int4_supported():
             raise LocalspecError("this torch build has no int4 weight-only matmul; use --quant int8 or none")
@@ -87,7 +92,7 @@ def check_supported(quant: str, device: torch.device) -> None:
 
 def quantize_model(model: torch.nn.Module, quant: str, device: torch.device) -> dict[str, str]:
     """Quantize the linears of `model` in place (on the CPU for int4/int8, which the cache stores;
-    on the GPU for bitsandbytes); returns {module name: format} of what was replaced."""
+    for bitsandbytes one by one onto `device`); returns {module name: format} of what was replaced."""
     replaced: dict[str, str] = {}
     for name, module in list(model.named_modules()):
         if not isinstance(module, torch.nn.Linear):
@@ -96,8 +101,8 @@ def quantize_model(model: torch.nn.Module, quant: str, device: torch.device) -> 
             new = Int4Linear.from_linear(module, GROUP_SIZE, COMPUTE_DTYPE)
         elif quant in ("int8", "w8a8") and device.type != "cuda" and int8_shape_ok(module):
             new = Int8Linear.from_linear(module, COMPUTE_DTYPE)
-        elif quant in ("int8", "nf4") and device.type == "cuda":
-            new = _bitsandbytes_linear(module, quant)
+        elif uses_bitsandbytes(quant, device):
+            new = _bitsandbytes_linear(module, quant, device)
         else:
             continue  # an odd width stays 16-bit
         _replace(model, name, new)
@@ -258,8 +263,9 @@ def _replace(model: torch.nn.Module, name: str, new: torch.nn.Module) -> None:
     setattr(model.get_submodule(parent_name) if parent_name else model, attr, new)
 
 
-def _bitsandbytes_linear(linear: torch.nn.Linear, quant: str) -> torch.nn.Module:
-    """bitsandbytes quantizes when the module is moved to the GPU."""
+def _bitsandbytes_linear(linear: torch.nn.Linear, quant: str, device: torch.device) -> torch.nn.Module:
+    """The linear in bitsandbytes' format on `device`: bitsandbytes quantizes as the module moves
+    there, one layer at a time, so the device never holds more than one 16-bit weight."""
     import bitsandbytes as bnb
 
     if quant == "nf4":
@@ -272,4 +278,4 @@ def _bitsandbytes_linear(linear: torch.nn.Linear, quant: str) -> torch.nn.Module
         new.weight = bnb.nn.Int8Params(linear.weight.data.to(COMPUTE_DTYPE).cpu(), requires_grad=False, has_fp16_weights=False)
     if linear.bias is not None:
         new.bias = torch.nn.Parameter(linear.bias.data.to(COMPUTE_DTYPE), requires_grad=False)
-    return new.cuda()
+    return new.to(device)

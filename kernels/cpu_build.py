@@ -1,0 +1,59 @@
+"""Building localspec's C++ CPU kernels on first use, with the system's C++ compiler.
+
+The sources need no torch headers (their threads come from OpenMP, which resolves to the libgomp
+torch has already loaded, so both share one thread pool), so a build takes a few seconds. The
+library is cached per source, compiler and flags, and loaded with ctypes. A machine without a
+compiler, or a CPU the kernels do not support, gets a one-line reason (`KernelUnavailable`) and
+the caller keeps another path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-fno-math-errno")
+
+
+class KernelUnavailable(RuntimeError):
+    """A kernel cannot run here; the message says why in one line."""
+
+
+def compiler() -> str | None:
+    return shutil.which(os.environ.get("CXX", "g++"))
+
+
+def build(source: Path, cache_dir: Path, what: str) -> ctypes.CDLL:
+    """Compile `source` into cache_dir once (per source, compiler and flags) and load it."""
+    if os.uname().machine not in ("x86_64", "AMD64"):
+        raise KernelUnavailable(f"the {what} is for x86 CPUs, this is {os.uname().machine}")
+    cxx = compiler()
+    if cxx is None:
+        raise KernelUnavailable(f"no C++ compiler found (install g++, or set CXX) to build the {what}")
+    try:
+        version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise KernelUnavailable(f"the C++ compiler {cxx} does not run ({exc})") from None
+    key = hashlib.sha256(source.read_bytes() + version.encode() + " ".join(FLAGS).encode()).hexdigest()[:16]
+    library = Path(cache_dir) / f"{source.stem}-{key}.so"
+    if not library.is_file():
+        library.parent.mkdir(parents=True, exist_ok=True)
+        # a private file, then an atomic rename: two processes building at once never share a file
+        fd, partial = tempfile.mkstemp(dir=library.parent, prefix=library.name, suffix=".partial")
+        os.close(fd)
+        try:
+            done = subprocess.run([cxx, *FLAGS, str(source), "-o", partial], capture_output=True, text=True, timeout=300)
+            if done.returncode != 0:
+                last = (done.stderr.strip().splitlines() or ["no message"])[-1]
+                raise KernelUnavailable(f"building the {what} with {cxx} failed: {last}")
+            os.replace(partial, library)
+        except (OSError, subprocess.SubprocessError) as exc:
+            raise KernelUnavailable(f"building the {what} with {cxx} failed: {exc}") from None
+        finally:
+            Path(partial).unlink(missing_ok=True)
+    return ctypes.CDLL(str(library))

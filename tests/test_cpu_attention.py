@@ -1,0 +1,78 @@
+"""The row-exact attention kernel against its torch reference: chains and trees, grouped heads,
+odd head sizes, and a row computed alone equal bit for bit to the same row among others."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from localspec.config import home_dir
+from localspec_kernels import cpu_attention
+from localspec_kernels.cpu_build import KernelUnavailable
+
+
+def kernel_or_none():
+    try:
+        return cpu_attention.load(home_dir() / "kernels")
+    except KernelUnavailable:
+        return None
+
+
+KERNEL = kernel_or_none()
+pytestmark = pytest.mark.skipif(KERNEL is None, reason="the attention kernel cannot be built or run here")
+
+
+def cache_views(kv_heads: int, d: int, s: int, seed: int):
+    """Keys/values as the engine's cache hands them over: views of a larger buffer."""
+    gen = torch.Generator().manual_seed(seed)
+    buffers = [torch.randn(1, kv_heads, s + 37, d, generator=gen) for _ in range(2)]
+    return buffers[0][:, :, :s], buffers[1][:, :, :s]
+
+
+@pytest.mark.parametrize("heads, kv_heads, d", [(12, 2, 128), (4, 2, 12), (3, 1, 20), (2, 2, 64), (8, 8, 256), (2, 1, 300)])
+@pytest.mark.parametrize("s, t", [(1, 1), (40, 1), (300, 16), (23, 7)])
+def test_causal_rows_match_reference_and_each_row_alone(heads, kv_heads, d, s, t):
+    key, value = cache_views(kv_heads, d, s, seed=heads + d + s)
+    query = torch.randn(1, t, heads, d).transpose(1, 2)  # (1, H, T, D) as the model makes it
+    rows = cpu_attention.VisibleRows.causal(t, s)
+    got = KERNEL(query, key, value, rows, d**-0.5)
+    reference = cpu_attention.row_attention_reference(query, key, value, rows, d**-0.5)
+    assert (got - reference).abs().max() <= 2e-6 * reference.abs().max() + 1e-6
+    for i in range(t):  # the one-token step at that position computes the same bits
+        alone = KERNEL(query[:, :, i : i + 1], key[:, :, : s - t + i + 1], value[:, :, : s - t + i + 1],
+                       cpu_attention.VisibleRows.causal(1, s - t + i + 1), d**-0.5)
+        assert torch.equal(alone[:, 0], got[:, i]), i
+
+
+def test_tree_rows_see_the_past_and_their_own_ancestors_only():
+    heads, kv_heads, d, past = 6, 2, 32, 50
+    parents = [-1, 0, 0, 1, 3, 2]  # node i's parent (-1: the root token at slot past)
+    t = len(parents) + 1
+    key, value = cache_views(kv_heads, d, past + t, seed=1)
+    query = torch.randn(1, heads, t, d)
+    extras = [[past]]
+    for node, parent in enumerate(parents):
+        extras.append(extras[parent + 1] + [past + 1 + node])
+    rows = cpu_attention.VisibleRows([past] * t, extras)
+    got = KERNEL(query, key, value, rows, 0.2)
+    reference = cpu_attention.row_attention_reference(query, key, value, rows, 0.2)
+    assert (got - reference).abs().max() <= 2e-6 * reference.abs().max() + 1e-6
+    # a node computed on its own (as after accepting its path) gives the same bits
+    for i in range(t):
+        alone = KERNEL(query[:, :, i : i + 1], key, value, cpu_attention.VisibleRows([past], [extras[i]]), 0.2)
+        assert torch.equal(alone[:, 0], got[:, i])
+    # what a row cannot see does not matter to it
+    changed = key.clone()
+    changed[:, :, past + 2] += 5.0  # node 1: only rows under node 1 see it
+    again = KERNEL(query, changed, value, rows, 0.2)
+    for i, seen in enumerate(extras):
+        assert torch.equal(again[:, i], got[:, i]) == (past + 2 not in seen), i
+
+
+def test_wrong_layouts_are_refused():
+    key, value = cache_views(2, 16, 8, seed=0)
+    query = torch.randn(1, 4, 1, 16)
+    with pytest.raises(ValueError, match="float32"):
+        KERNEL(query.double(), key, value, cpu_attention.VisibleRows.causal(1, 8), 0.25)
+    with pytest.raises(ValueError, match="contiguous rows"):
+        KERNEL(query, torch.randn(1, 2, 8, 32)[..., :16], value, cpu_attention.VisibleRows.causal(1, 8), 0.25)
