@@ -320,54 +320,70 @@ class Metrics:
 class Turn:
     """One request's hold on the engine, from its place in the queue to the end of its answer.
 
-    Its generation steps one target pass per `step`, on the engine thread. `end` is idempotent: it
-    frees the slot at once, and if the answer was cut short, closes the generator on the engine
-    thread, after the pass in flight and before anything the next request queues there."""
+    The generation runs on the engine thread ahead of the client, handing each pass's event to the
+    event loop, so the engine never waits for the network. `end` (idempotent) frees the slot at
+    once and, if the answer is not complete, asks the engine thread to stop: it checks between
+    passes, so the pass in flight is the last one, and it closes the generator before anything the
+    next request queues there runs."""
 
     def __init__(self, service: Service) -> None:
         self.service = service
-        self.events = None
-        self.started = False
+        self.stop = threading.Event()
+        self.queue: asyncio.Queue | None = None
         self.cached = 0
-        self.prompt_tokens = 0
         self.result: tuple[GenerationStats, str] | None = None
+        """Final statistics and finish reason, set on the engine thread before the last item is queued."""
         self.ended = False
 
     def begin(self, ids: list[int], cached: int, sampling: SamplingConfig, limits: GenerationLimits) -> None:
-        self.events = self.service.served.engine.generate(ids, sampling, limits)
-        self.prompt_tokens, self.cached = len(ids), cached
+        self.cached = cached
+        self.queue = asyncio.Queue()
+        events = self.service.served.engine.generate(ids, sampling, limits)
+        self.service.pool.submit(self._run, events, len(ids), asyncio.get_running_loop())
 
-    async def step(self):
-        """The next TokenEvent, or None when the answer is complete."""
-        self.started = True
-        return await self.service.call(next, self.events, None)
-
-    async def finish(self, outcome: str | None = None) -> tuple[GenerationStats, str]:
-        return await self.service.call(self._close, outcome)
-
-    def _close(self, outcome: str | None) -> tuple[GenerationStats, str]:
-        """On the engine thread: close the generator and count the generation once."""
-        if self.result is None:
-            self.events.close()
-            if self.started:
-                stats = self.service.served.engine.stats
-            else:  # never reached the engine: nothing was computed, nothing found in the cache
-                stats, self.cached = GenerationStats(prompt_tokens=self.prompt_tokens), 0
+    def _run(self, events, prompt_tokens: int, loop: asyncio.AbstractEventLoop) -> None:
+        """On the engine thread: every pass's event to the queue, then None (or the exception)."""
+        engine = self.service.served.engine
+        started, outcome, last = False, None, None
+        try:
+            while not self.stop.is_set():
+                started = True
+                event = next(events, None)
+                if event is None:
+                    break
+                loop.call_soon_threadsafe(self.queue.put_nowait, event)
+            else:
+                outcome = "cancelled"
+        except RuntimeError as exc:  # the event loop closed under us: the server is stopping
+            outcome, last = ("cancelled", None) if loop.is_closed() else ("error", exc)
+        except Exception as exc:
+            outcome, last = "error", exc
+        finally:
+            events.close()
+            if started:
+                stats = engine.stats
+            else:  # stopped before the engine ran: nothing computed, nothing found in the cache
+                stats, self.cached = GenerationStats(prompt_tokens=prompt_tokens), 0
             finish = outcome or FINISH_REASONS.get(stats.stop_reason, "stop")
             self.service.metrics.record(stats, self.cached, finish)
             self.service.log_generation(stats, self.cached, finish)
             self.result = stats, finish
-        return self.result
+        if not loop.is_closed():
+            loop.call_soon_threadsafe(self.queue.put_nowait, last)
 
-    def end(self, outcome: str = "cancelled") -> None:
+    async def step(self):
+        """The next TokenEvent, or None when the answer is complete (its statistics in `result`)."""
+        item = await self.queue.get()
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def end(self) -> None:
         if self.ended:
             return
         self.ended = True
-        if self.events is not None and self.result is None:
-            try:
-                self.service.pool.submit(self._close, outcome)
-            except RuntimeError:  # the server is shutting down: the process ends with the engine
-                pass
+        if self.result is None:
+            self.stop.set()
         self.service.lock.release()
 
 
@@ -583,17 +599,13 @@ class Api:
             return EventStream(self._stream(turn, head, chat, include_usage), turn)
         try:
             text = await until_disconnect(request, self._collect(turn))
-            stats, finish = await turn.finish()
         except ClientGone:
             return Response(status_code=499)
         except LocalspecError as exc:
-            turn.end("error")
             raise ApiError(400, str(exc)) from None
-        except Exception:
-            turn.end("error")
-            raise
         finally:
-            turn.end()  # frees the slot; closes the generation if it was cut short
+            turn.end()  # frees the slot; stops the generation if it was cut short
+        stats, finish = turn.result
         choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": finish}
                   if chat else {"index": 0, "text": text, "logprobs": None, "finish_reason": finish})
         return JSONResponse({**head, "object": "chat.completion" if chat else "text_completion", "choices": [choice],
@@ -622,11 +634,10 @@ class Api:
                 if event.text:
                     yield chunk(event.text)
         except Exception as exc:  # headers are sent: the error goes in the stream, as OpenAI does
-            turn.end("error")
             message = str(exc) if isinstance(exc, LocalspecError) else f"generation failed: {exc!r}"
             yield sse({"error": {"message": message, "type": "server_error", "param": None, "code": None}})
             return
-        stats, finish = await turn.finish()
+        stats, finish = turn.result
         yield chunk(None, finish, timings=timings(stats, turn.cached))
         if include_usage:
             yield sse({**head, "choices": [], "usage": usage(stats)})
