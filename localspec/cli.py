@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from localspec.config import DRAFT_QUANTS, DTYPES, PROPOSERS, QUANTS, GenerationLimits, SamplingConfig, SpecConfig
@@ -124,6 +125,10 @@ def spec_from(args: argparse.Namespace, proposer: str) -> SpecConfig:
 
 def _read_prompt(arg: str) -> str:
     if arg != "-":
+        try:  # bytes that are not UTF-8 arrive as lone surrogates, which no tokenizer can encode
+            arg.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise LocalspecError(f"the prompt argument is not valid UTF-8 (character {exc.start})") from None
         return arg
     data = sys.stdin.buffer.read()
     try:
@@ -276,8 +281,6 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    import os
-
     from localspec.server import ServeConfig, serve, session_loader
 
     config = ServeConfig(host=args.host, port=args.port, api_key=args.api_key or os.environ.get("LOCALSPEC_API_KEY") or None,
@@ -299,6 +302,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("localspec: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # whoever read stdout stopped (`| head`): end quietly, as a program killed by SIGPIPE
+        # would; stdout goes to /dev/null so that the exit's final flush cannot fail again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
 
 
 if __name__ == "__main__":

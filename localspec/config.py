@@ -15,6 +15,8 @@ PROPOSERS = ("auto", "eagle", "ngram", "draft", "none")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTS = ("auto", "none", "int8", "int4", "w8a8", "w4a8", "nf4")
 DRAFT_QUANTS = ("auto", "none", "int8", "int4", "w8a8", "w4a8")
+NGRAM_LIMIT = 64
+"""Longest suffix prompt lookup may try (--ngram-max)."""
 
 
 @dataclass(frozen=True)
@@ -35,6 +37,8 @@ class SamplingConfig:
             raise LocalspecError(f"--top-k must be 0 (off) or a positive integer, got {self.top_k}")
         if not (0.0 < self.top_p <= 1.0):
             raise LocalspecError(f"--top-p must be in (0, 1], got {self.top_p}")
+        if self.seed is not None and not (0 <= self.seed < 2**64):  # what torch.Generator takes
+            raise LocalspecError(f"--seed must be between 0 and 2**64 - 1, got {self.seed}")
 
     @property
     def greedy(self) -> bool:
@@ -88,9 +92,11 @@ class SpecConfig:
             raise LocalspecError(f"--tree-depth must be between 1 and 32, got {self.tree_depth}")
         if any(q.strip() not in QUANTS for q in self.quant.split(",")):
             raise LocalspecError(f"--quant must be one of {', '.join(QUANTS)} (bench: a comma list), got {self.quant!r}")
-        if not (1 <= self.ngram_min <= self.ngram_max):
+        # each size tried costs a pass over the whole context: beyond a few dozen it is work
+        # that almost never finds a longer match
+        if not (1 <= self.ngram_min <= self.ngram_max <= NGRAM_LIMIT):
             raise LocalspecError(
-                f"n-gram sizes need 1 <= min <= max, got min={self.ngram_min} max={self.ngram_max}"
+                f"n-gram sizes need 1 <= min <= max <= {NGRAM_LIMIT}, got min={self.ngram_min} max={self.ngram_max}"
             )
 
 

@@ -145,7 +145,7 @@ def load_eagle(target: LoadedModel, spec: SpecConfig, costs: CostModel | None) -
         checkpoint = load_head(folder, target.model.config)
         head = build_head(checkpoint, target.model, torch.float32).to(target.device)
     except LocalspecError as exc:
-        raise LocalspecError(f"the EAGLE head in {folder} does not fit {target.name}: {exc}") from exc
+        raise LocalspecError(f"the EAGLE head in {folder} cannot be used for {target.name}: {exc}") from exc
     except Exception as exc:  # a damaged file (truncated safetensors, config.json of another shape)
         raise LocalspecError(
             f"the EAGLE head in {folder} is damaged ({first_line(exc)}); train it again with "

