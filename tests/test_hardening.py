@@ -225,6 +225,44 @@ def test_two_processes_fetching_the_same_model_both_succeed_and_fetch_once(tmp_p
     assert sorted(p.name for p in final.parent.iterdir()) == ["tiny.gguf", "tiny.gguf.lock", "tiny.gguf.sha256"]
 
 
+STAGE = textwrap.dedent("""
+    import sys, time
+    from pathlib import Path
+    from localspec import loading
+
+    with loading._staging(Path(sys.argv[1])) as tmp:
+        (tmp / "model.safetensors").write_bytes(b"x" * 100_000)
+        print(tmp, flush=True)
+        time.sleep(60)  # killed here, mid-conversion
+""")
+
+
+def test_a_conversion_killed_mid_write_leaves_nothing_once_the_next_one_runs(tmp_path):
+    import signal
+
+    final = tmp_path / "converted" / "tiny-abc" / "float32"
+    proc = subprocess.Popen([sys.executable, "-c", STAGE, str(final)], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    left = Path(proc.stdout.readline().strip())
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=60)
+    assert left.is_dir() and not final.exists()  # what the killed process left
+    with loading._staging(final) as tmp:
+        (tmp / "model.safetensors").write_bytes(b"y")
+    assert sorted(p.name for p in final.parent.iterdir()) == ["float32", "float32.lock"]
+    assert (final / "model.safetensors").read_bytes() == b"y" and (final / "complete").is_file()
+
+
+def test_a_finished_copy_from_another_process_is_kept(tmp_path):
+    final = tmp_path / "float32"
+    with loading._staging(final) as mine:
+        final.mkdir()  # another process finished first (and may be reading it now)
+        (final / "complete").write_text("ok\n")
+        (final / "model.safetensors").write_bytes(b"theirs")
+        (mine / "model.safetensors").write_bytes(b"mine")
+    assert (final / "model.safetensors").read_bytes() == b"theirs" and not mine.exists()
+
+
 # -- the command line ---------------------------------------------------------------------------
 
 
