@@ -61,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--prompts", default=None, help="JSON file: a list of {name, prompt} objects")
     bench.add_argument("--max-new-tokens", type=int, default=128)
     bench.add_argument("--no-hf", action="store_true", help="skip transformers' own generate modes")
+    bench.add_argument("--llama-cpp", default=None, metavar="DIR",
+                       help="llama.cpp's bin folder: also run its plain and speculative decoding on the same GGUF "
+                       "and prompts, and report the ratios")
     bench.add_argument("--out", default=None, help="write the JSON report here (default: bench-results/<time>.json)")
 
     sub.add_parser("models", help="list the models localspec knows, which are downloaded, and their pairings")
