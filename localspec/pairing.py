@@ -160,18 +160,16 @@ def _read_history() -> dict:
 
 def load_history(model: str) -> dict[str, Measured]:
     """What was measured for `model` on this machine, by pair_key."""
-    try:
-        records = _read_history().get(machine_id(), {}).get(model, {})
-        return {
-            key: Measured(
-                tokens=r["tokens"], speedup=r["speedup_tokens"] / r["tokens"],
-                acceptance=r["accepted"] / r["drafted"] if r["drafted"] else 0.0,
-            )
-            for key, r in records.items()
-            if r.get("tokens")
-        }
-    except (AttributeError, KeyError, TypeError):  # hand-edited into another shape
-        return {}
+    machine = _read_history().get(machine_id())
+    records = machine.get(model) if isinstance(machine, dict) else None
+    return {
+        key: Measured(
+            tokens=r["tokens"], speedup=r["speedup_tokens"] / r["tokens"],
+            acceptance=r["accepted"] / r["drafted"] if r["drafted"] else 0.0,
+        )
+        for key, r in (records.items() if isinstance(records, dict) else ())
+        if _counts(r) and r["tokens"]  # a record hand-edited into another shape is passed over
+    }
 
 
 def record_generation(model: str, proposer: str, stats: GenerationStats, draft: str | None = None) -> None:
@@ -203,11 +201,15 @@ def _history_record(data: dict, model: str, key: str) -> dict:
     records = machine.get(model)
     records = machine[model] = records if isinstance(records, dict) else {}
     record = records.get(key)
-    valid = isinstance(record, dict) and all(
+    records[key] = record if _counts(record) else dict(_COUNTS)
+    return records[key]
+
+
+def _counts(record: object) -> bool:
+    """Whether a history record holds every counter, as a number."""
+    return isinstance(record, dict) and all(
         isinstance(record.get(k), (int, float)) and not isinstance(record.get(k), bool) for k in _COUNTS
     )
-    records[key] = record if valid else dict(_COUNTS)
-    return records[key]
 
 
 # --- the wizard --------------------------------------------------------------------------------

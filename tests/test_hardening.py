@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from conftest import tiny_model
 from localspec import loading, session as session_module
@@ -91,6 +92,71 @@ def test_a_planted_legacy_head_runs_nothing(tmp_path, home):
     with pytest.raises(Exception):
         load_head(folder, tiny_model("llama").config)
     assert not marker.exists()
+
+
+# -- every reader, fed anything ------------------------------------------------------------------
+
+JSONISH = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=12,
+)
+# JSON shaped like what each file holds, so that the checks past json.loads are reached too
+SHAPED = {
+    "history": st.fixed_dictionaries({"id": st.text(max_size=12), "title": JSONISH, "messages": st.lists(
+        st.fixed_dictionaries({"role": JSONISH, "content": JSONISH}, optional={"runs": JSONISH, "stats": JSONISH}),
+        max_size=3)}),
+    "pairing": st.dictionaries(st.sampled_from(["m", "x"]), st.dictionaries(st.sampled_from(["m", "y"]), JSONISH)),
+}
+
+
+def file_contents(shape: str):
+    return st.binary(max_size=64) | JSONISH.map(lambda v: json.dumps(v).encode()) | SHAPED[shape].map(
+        lambda v: json.dumps(v).encode())
+
+
+TOML_VALUES = st.none() | st.booleans() | st.integers(-5, 5) | st.text(max_size=6) | st.lists(st.text(max_size=4), max_size=2)
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.binary(max_size=80) | st.dictionaries(
+    st.sampled_from(["display", "arch", "files", "params", "size", "mirror", "paired", "drafts", "eagle_heads", "zz"]),
+    TOML_VALUES, max_size=4).map(lambda d: ('[models."qwen2.5-coder-0.5b"]\n' + "".join(
+        f"{k} = {json.dumps(v)}\n" for k, v in d.items() if v is not None)).encode()))
+def test_any_user_registry_loads_or_is_one_line(tmp_path_factory, data):
+    user = tmp_path_factory.mktemp("reg") / "models.toml"
+    user.write_bytes(data)
+    try:
+        load_registry(user=user)
+    except LocalspecError as exc:
+        assert "\n" not in str(exc)
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=file_contents("history"))
+def test_any_chat_history_file_is_listed_or_skipped(tmp_path_factory, data):
+    from localspec.tui.history import HistoryStore
+
+    store = HistoryStore(tmp_path_factory.mktemp("history"))
+    (store.root / "20260101-000000-abcdef.json").write_bytes(data)
+    for conversation in store.list():  # never raises; what it lists can be shown and saved again
+        assert all(isinstance(m.content, str) for m in conversation.messages)
+        store.save(conversation)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])  # rewritten per example
+@given(data=file_contents("pairing"))
+def test_any_pairing_history_is_read_and_added_to(home, data, monkeypatch):
+    from localspec import pairing
+    from localspec.stats import GenerationStats
+
+    monkeypatch.setattr(pairing, "machine_id", lambda: "m")
+    home.mkdir(parents=True, exist_ok=True)
+    (home / "history.json").write_bytes(data)
+    pairing.load_history("m")
+    stats = GenerationStats(new_tokens=11, decode_seconds=1.0, plain_token_seconds=0.05, drafted=5, accepted=5)
+    pairing.record_generation("m", "ngram", stats)
+    assert pairing.load_history("m")["ngram"].tokens >= 11
 
 
 # -- a damaged EAGLE head -----------------------------------------------------------------------
