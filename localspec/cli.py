@@ -70,7 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     pull = sub.add_parser("pull", help="download a model (Hugging Face Hub, else the offline mirror)")
     pull.add_argument("name", help="registry name")
-    pull.add_argument("--offline", action="store_true", help="use the offline mirror only (also: HF_HUB_OFFLINE=1)")
+    pull.add_argument("--offline", action="store_true",
+                      help="no network: only the mirror's files already here (also: HF_HUB_OFFLINE=1)")
 
     rm = sub.add_parser("rm", help="delete a model's downloads and converted copies")
     rm.add_argument("name", help="registry name")
@@ -80,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     pair.add_argument("--prompts", default=None, help="JSON file: a list of {name, prompt} objects to measure on")
     pair.add_argument("--max-new-tokens", type=int, default=64)
     pair.add_argument("--dtype", default="auto", choices=DTYPES)
-    pair.add_argument("--offline", action="store_true", help="use the offline mirror only")
+    pair.add_argument("--offline", action="store_true", help="no network: only models already downloaded")
 
     train = sub.add_parser("train-eagle", help="train an EAGLE head for a target on this machine (resumable)")
     train.add_argument("--target", default=None, help="registry name (default: the registry's default model)")
