@@ -452,11 +452,11 @@ class Service:
         try:
             ids, cached = await self.call(self._encode, prompt)
             context = self.served.engine.context_len
+            if not ids:
+                raise ApiError(400, "the prompt is empty")
             if len(ids) >= context:
                 raise ApiError(400, f"the prompt is {len(ids)} tokens; {self.served.name}'s context window is {context} "
                                     "tokens and the answer needs room: shorten it", code="context_length_exceeded")
-            if not ids:
-                raise ApiError(400, "the prompt is empty")
             turn.begin(ids, cached, sampling, limits)
         except BaseException:
             turn.end()
@@ -571,18 +571,20 @@ class Api:
         prompt = parse_prompt(body, "prompt")
         suffix = parse_prompt(body, "suffix") if body.get("suffix") is not None else None
         sampling, limits = parse_settings(body, served.name, served.engine.context_len)
-        tokenizer = served.engine.tokenizer
-        if suffix is None:
-            if not prompt:
-                raise ApiError(400, "'prompt' is empty", "prompt")
-            build = lambda: list(tokenizer.encode(prompt))  # noqa: E731
-        elif self.service.fim is None:
+        tokenizer, fim = served.engine.tokenizer, self.service.fim
+        if suffix is None and not prompt:
+            raise ApiError(400, "'prompt' is empty", "prompt")
+        if suffix is not None and fim is None:
             raise ApiError(400, f"{served.name} has no fill-in-the-middle tokens, so 'suffix' is not supported; "
                                 "use a coder model such as qwen2.5-coder-1.5b", "suffix")
-        else:
-            before, after, middle = self.service.fim
-            encode = lambda text: list(tokenizer.encode(text, add_special_tokens=False))  # noqa: E731
-            build = lambda: [before, *encode(prompt), after, *encode(suffix), middle]  # noqa: E731
+
+        def build() -> list[int]:
+            if suffix is None:  # raw text, the tokenizer's own special tokens (BOS) included
+                return list(tokenizer.encode(prompt))
+            before, after, middle = fim
+            return [before, *tokenizer.encode(prompt, add_special_tokens=False), after,
+                    *tokenizer.encode(suffix, add_special_tokens=False), middle]
+
         return await self._answer(request, body, build, sampling, limits, chat=False)
 
     async def _answer(self, request: Request, body: dict, prompt, sampling, limits, chat: bool) -> Response:

@@ -313,7 +313,8 @@ def test_a_client_that_disconnects_frees_the_server_within_one_pass():
         r = httpx.post(url + "/v1/chat/completions", json={**OK, "messages": history}, timeout=30)
         body = r.json()
         text = httpx.get(url + "/metrics").text
-    assert gated.runs[0]["passes"] == 2  # the pass read, and the one in flight when the client left
+    # the pass read, and at most the one asked for before the server saw the client leave
+    assert gated.runs[0]["passes"] <= 2
     assert body["choices"][0]["message"]["content"] == expected(history, 24)
     assert body["timings"]["cache_n"] > 0  # the cut-short conversation's cache was sound and reused
     assert 'localspec_generations_total{finish="cancelled"} 1' in text
