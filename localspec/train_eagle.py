@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from localspec.errors import LocalspecError
+from localspec.files import write_text_atomic
 from localspec.loading import first_line
 from localspec.proposers.eagle import FeatureTap
 from localspec.proposers.eagle_head import EagleHead, HeadConfig, dense_weight, save_head
@@ -317,7 +318,7 @@ def train_eagle(target_loaded, out_dir: Path, data: list[Path] | None, settings:
         # more epochs continue a run; anything else would mix two different runs
         if not isinstance(saved, dict) or {**saved, "epochs": settings.epochs} != asdict(settings):
             raise LocalspecError(f"{out_dir} holds a training run with other settings ({settings_file}); use another --out")
-    settings_file.write_text(json.dumps(asdict(settings), indent=1) + "\n")
+    write_text_atomic(settings_file, json.dumps(asdict(settings), indent=1) + "\n")  # never half a file to resume from
     sources = data or default_sources()
 
     data_file = out_dir / "train_data.pt"

@@ -81,6 +81,35 @@ def test_training_state_round_trips_through_the_safe_loader(tmp_path):
         load_resume_file(tmp_path / "cut.pt", ("head",))
 
 
+def test_train_eagle_resumes_only_from_files_the_safe_loader_takes(tmp_path):
+    from types import SimpleNamespace
+
+    from localspec.train_eagle import TrainSettings, train_eagle
+
+    target = tiny_model("llama", layers=8)
+    loaded = SimpleNamespace(model=target, tokenizer=None, name="tiny", quant="none")
+    out, marker = tmp_path / "head", tmp_path / "marker"
+    out.mkdir()
+    torch.save({"records": Planted(marker), "used": torch.arange(96)}, out / "train_data.pt")
+    with pytest.raises(LocalspecError, match="train_data.pt cannot be read"):
+        train_eagle(loaded, out, None, TrainSettings(version=1, epochs=1), quiet=True)
+    hidden = target.config.hidden_size
+    record = {"ids": torch.arange(8), "valid": torch.ones(8, dtype=torch.bool),
+              "features": torch.randn(8, hidden).bfloat16(), "final": torch.randn(8, hidden).bfloat16()}
+    torch.save({"records": [record] * 3, "used": torch.arange(96)}, out / "train_data.pt")
+    torch.save({"head": Planted(marker), "optimizer": {}, "step": 0}, out / "train_state.pt")
+    with pytest.raises(LocalspecError, match="train_state.pt cannot be read"):
+        train_eagle(loaded, out, None, TrainSettings(version=1, epochs=1), quiet=True)
+    assert not marker.exists()
+    (out / "train_state.pt").unlink()
+    assert train_eagle(loaded, out, None, TrainSettings(version=1, epochs=1), quiet=True)["steps"] == 1
+    # what it saved resumes through the safe loader: one more epoch, one more step
+    assert train_eagle(loaded, out, None, TrainSettings(version=1, epochs=2), quiet=True)["steps"] == 2
+    (out / "train_settings.json").write_text("[]")
+    with pytest.raises(LocalspecError, match="holds a training run with other settings"):
+        train_eagle(loaded, out, None, TrainSettings(version=1, epochs=2), quiet=True)
+
+
 def test_a_planted_legacy_head_runs_nothing(tmp_path, home):
     from localspec.proposers.eagle_head import load_head
 
