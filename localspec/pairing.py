@@ -352,10 +352,13 @@ def save_pairing(model: str, best: Candidate, speedup: float) -> None:
     if best.draft:
         paired["draft"] = best.draft
     path = user_registry_path()
-    with locked(path):  # a user edit or another `pair` saved meanwhile is kept
-        data = read_user_registry()
-        data.setdefault("models", {}).setdefault(model, {})["paired"] = paired
-        write_text_atomic(path, to_toml(data))
+    try:
+        with locked(path):  # a user edit or another `pair` saved meanwhile is kept
+            data = read_user_registry()
+            data.setdefault("models", {}).setdefault(model, {})["paired"] = paired
+            write_text_atomic(path, to_toml(data))
+    except OSError as exc:
+        raise LocalspecError(f"could not save the pairing to {path}: {exc}") from exc
     load_registry()  # what was written must load: fail here, not at the next `run`
 
 
