@@ -320,6 +320,28 @@ def test_two_processes_fetching_the_same_model_both_succeed_and_fetch_once(tmp_p
     assert sorted(p.name for p in final.parent.iterdir()) == ["tiny.gguf", "tiny.gguf.lock", "tiny.gguf.sha256"]
 
 
+RECORD = textwrap.dedent("""
+    from localspec import pairing
+    from localspec.costs import save_calibration
+    from localspec.stats import GenerationStats
+
+    import sys
+    stats = GenerationStats(new_tokens=11, decode_seconds=1.0, plain_token_seconds=0.05, drafted=5, accepted=5)
+    for i in range(30):
+        pairing.record_generation("m", "ngram", stats)
+        save_calibration(f"{sys.argv[1]}-{i}", {"1": 0.1})
+""")
+
+
+def test_two_processes_adding_to_history_and_calibration_lose_nothing(home):
+    env = {**os.environ, "LOCALSPEC_HOME": str(home), "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, "-c", RECORD, name], env=env) for name in ("a", "b")]
+    assert [p.wait(timeout=300) for p in procs] == [0, 0]
+    (machine,) = json.loads((home / "history.json").read_text()).values()
+    assert machine["m"]["ngram"]["generations"] == 60
+    assert len(json.loads((home / "calibration.json").read_text())) == 60
+
+
 STAGE = textwrap.dedent("""
     import sys, time
     from pathlib import Path
