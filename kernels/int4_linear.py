@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from localspec_kernels.int4_format import check_group_layout, dequantize_int4, int4_matmul_reference, quantize_int4
+from localspec_kernels.triton_int4 import int4_matmul, triton_available
 
 GROUP_SIZE = 32
 """Elements per scale/min. 32 matches the sub-blocks of GGUF's Q4_K, so a Q4_K_M model re-packed
@@ -84,9 +85,7 @@ class Int4Linear(torch.nn.Module):
             weight, scale_zeros = self._cpu_layout(rows.dtype)
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, weight, self.group_size, scale_zeros)  # (M, N + pad)
             out = out[:, : self.out_features]
-        elif rows.device.type == "cuda":
-            from localspec_kernels.triton_int4 import int4_matmul
-
+        elif rows.device.type == "cuda" and triton_available():  # without Triton: the reference, slowly
             out = int4_matmul(rows, self.packed, self.scales, self.mins, self.group_size)
         else:
             out = int4_matmul_reference(rows, self.packed, self.scales, self.mins, self.group_size)

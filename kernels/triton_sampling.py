@@ -17,8 +17,8 @@ be compared draw for draw: `accept_uniforms[i]` decides node i (each node is tri
 `final_uniform` draws the last token by inverse CDF (the first token whose cumulative
 probability exceeds u * total).
 
-On a GPU the host-side version of this walk costs a sync per tried node; the kernel runs the whole
-walk in one program, looping over the vocabulary (~150k) in blocks for each residual and for the
+The host walk (`rejection_rule.walk`) needs the pass's (N+1) x V probabilities read back from the
+GPU; the kernel reads back only the answer. It runs the whole walk in one program, looping over the vocabulary (~150k) in blocks for each residual and for the
 final draw, and keeps the residual in a (V,) scratch buffer. Since parents come before children,
 one pass over the nodes in index order meets the children of whichever node is current in
 exactly the order the rule tries them.
@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from localspec_kernels.rejection_rule import children_table, residual
+from localspec_kernels.rejection_rule import walk
 
 from .triton_int4 import triton_available, triton_jit
 
@@ -40,17 +40,6 @@ except ImportError:  # a CPU install: the package still imports, rejection_sampl
 BLOCK_V = 1024
 """Vocabulary entries per step of the kernel's loops over V."""
 
-MIN_Q = 1e-20
-"""Floor on q(x) in the acceptance ratio, as in verify.py: a token drawn from q has q(x) > 0."""
-
-
-def _inverse_cdf(p: torch.Tensor, u: torch.Tensor) -> int:
-    """The first token whose cumulative probability exceeds u * total; p (V,), u a 0-d tensor."""
-    cdf = torch.cumsum(p, dim=0)  # (V,)
-    above = (cdf > u * cdf[-1]).nonzero()
-    # rounding can leave u * total at the very top: then the last token p allows
-    return int(above[0]) if len(above) else int(p.nonzero()[-1])
-
 
 def rejection_sample_reference(
     target_probs: torch.Tensor,
@@ -60,34 +49,16 @@ def rejection_sample_reference(
     accept_uniforms: torch.Tensor,
     final_uniform: float | torch.Tensor,
 ) -> tuple[list[int], int]:
-    """The rule in plain torch (float32 throughout, as the kernel).
+    """The rule as localspec/verify.py runs it (`rejection_rule.walk`, float32 throughout).
 
     target_probs (N+1, V): row 0 after the root, row i+1 after node i. tokens, parents (N,), a
     parent before its children, -1 for the root's children. draft_probs (N, V) or None (one-hot
     guesses). accept_uniforms (N,) and final_uniform in [0, 1). Returns (accepted node indices,
     next token).
     """
-    children = children_table(parents.tolist())
-    token_ids = tokens.tolist()
-    uniforms = accept_uniforms.float()  # (N,)
-    accepted: list[int] = []
-    node = -1
-    p = target_probs[0].float()  # (V,)
-    while True:
-        for child in children[node + 1]:
-            x = token_ids[child]
-            if draft_probs is None:
-                accept_prob = p[x]
-            else:
-                accept_prob = (p[x] / draft_probs[child, x].float().clamp_min(MIN_Q)).clamp_max(1.0)
-            if uniforms[child] < accept_prob:
-                accepted.append(child)
-                node = child
-                p = target_probs[node + 1].float()
-                break
-            p = residual(p, None if draft_probs is None else draft_probs[child].float(), x)
-        else:
-            return accepted, _inverse_cdf(p, torch.as_tensor(final_uniform, dtype=torch.float32))
+    uniforms = torch.cat((accept_uniforms.float().cpu(), torch.as_tensor(final_uniform, dtype=torch.float32).reshape(1)))
+    q = None if draft_probs is None else draft_probs.float().numpy(force=True)
+    return walk(target_probs.float().numpy(force=True), tokens.tolist(), parents.tolist(), q, uniforms.numpy())
 
 
 @triton_jit
@@ -128,7 +99,7 @@ def _rejection_sample_kernel(
             px = tl.load(src + x) / total
             if HAS_Q:
                 qx = tl.load(draft_ptr + i * stride_d + x)
-                accept_prob = tl.minimum(px / tl.maximum(qx, 1e-20), 1.0)  # 1e-20: MIN_Q
+                accept_prob = tl.minimum(px / tl.maximum(qx, 1e-20), 1.0)  # 1e-20: rejection_rule.MIN_Q
             else:
                 accept_prob = px
             if tl.load(uniforms_ptr + i) < accept_prob:
@@ -221,5 +192,5 @@ def rejection_sample(
         n, vocab,
         HAS_Q=draft_probs is not None, BLOCK_V=BLOCK_V,
     )
-    count, token = result.tolist()
-    return path[:count].tolist(), token
+    count, token, *path = torch.cat((result, path)).tolist()  # the one read of the call
+    return path[:count], token

@@ -101,8 +101,18 @@ def exact_attention(module, query, key, value, attention_mask, dropout=0.0, scal
     return out.transpose(1, 2).contiguous(), None
 
 
+def causal_mask(*args, **kwargs) -> torch.Tensor | None:
+    """The mask transformers builds for a pass without one of its own: none for a pass the rows
+    handle (they know causality from the shapes, and reading a mask back would cost a sync per
+    layer), transformers' own for what goes to SDPA or carries padding."""
+    q_length, batch_size = kwargs.get("q_length"), kwargs.get("batch_size")
+    if kwargs.get("attention_mask") is None and batch_size == 1 and q_length is not None and q_length <= ROW_BY_ROW_UP_TO:
+        return None
+    return sdpa_mask(*args, **kwargs)
+
+
 AttentionInterface.register(NAME, exact_attention)
-AttentionMaskInterface.register(NAME, sdpa_mask)
+AttentionMaskInterface.register(NAME, causal_mask)
 
 
 def use_exact_attention(model: torch.nn.Module) -> None:

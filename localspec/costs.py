@@ -10,9 +10,8 @@ so far.
 from __future__ import annotations
 
 import json
-import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -21,26 +20,42 @@ from localspec.kv import KVCache
 from localspec_kernels.cpu_w8a8 import wait_for_packing
 
 WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16)
-CALIBRATION_PREFIX = 128
+CONTEXTS = (128, 1024)
+"""Cached tokens the pass costs are measured after: the row-exact attention's cost grows with the
+context, so the cost model interpolates (and extrapolates) between these."""
+CALIBRATION_PREFIX = CONTEXTS[0]
+
+
+def _interpolate(points: dict[int, float], x: float) -> float:
+    """Linear between measured points, flat below the first, the last slope (never negative) beyond."""
+    pts = sorted(points.items())
+    if len(pts) == 1 or x <= pts[0][0]:
+        return pts[0][1]
+    for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
+        if x <= x1:
+            return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    (x0, y0), (x1, y1) = pts[-2], pts[-1]
+    return y1 + max(y1 - y0, 0.0) * (x - x1) / (x1 - x0)
 
 
 @dataclass
 class CostModel:
     verify_seconds: dict[int, float]
-    """Seconds of one target pass over `width` new tokens, at the calibrated widths."""
+    """Seconds of one target pass over `width` new tokens, at the calibrated widths (after the
+    shortest calibrated context)."""
     draft_step_seconds: float = 0.0
     """Seconds of one draft-model step (0 for lookups, whose cost is negligible)."""
+    by_context: dict[int, dict[int, float]] = field(default_factory=dict)
+    """The same curve at each calibrated context length (cached tokens), when measured at several."""
+    context: int = 0
+    """The context the engine's next pass runs at (it moves this as the conversation grows)."""
 
     def verify(self, width: int) -> float:
-        """Cost of a pass of any width, linear between calibrated widths and beyond the last."""
-        points = sorted(self.verify_seconds.items())
-        if width <= points[0][0]:
-            return points[0][1]
-        for (w0, t0), (w1, t1) in zip(points, points[1:]):
-            if width <= w1:
-                return t0 + (t1 - t0) * (width - w0) / (w1 - w0)
-        (w0, t0), (w1, t1) = points[-2], points[-1]
-        return t1 + max(t1 - t0, 0.0) * (width - w1) / (w1 - w0)
+        """Cost of a pass of any width at `context`: linear between calibrated widths and beyond the
+        last, then between calibrated context lengths."""
+        if len(self.by_context) < 2:
+            return _interpolate(self.verify_seconds, width)
+        return _interpolate({c: _interpolate(curve, width) for c, curve in self.by_context.items()}, self.context)
 
     def expected_rate(self, acceptance: float, draft_len: int, free: bool = False) -> float:
         """Expected tokens per second with this draft length (i.i.d. acceptance per position);
@@ -52,7 +67,6 @@ class CostModel:
 
     def best_draft_len(self, acceptance: float, max_len: int, free: bool = False) -> int:
         return max(range(max_len + 1), key=lambda g: self.expected_rate(acceptance, g, free))
-
 
 class AcceptanceTracker:
     """Per-token acceptance probability, an exponentially decayed estimate over recent passes.
@@ -84,8 +98,9 @@ class AcceptanceTracker:
 
 
 @torch.inference_mode()
-def time_forward(model: torch.nn.Module, widths: tuple[int, ...], repeats: int = 4) -> dict[int, float]:
-    """Best-of-`repeats` seconds of one forward over `width` new tokens after a fixed prefix.
+def time_forward(model: torch.nn.Module, widths: tuple[int, ...], repeats: int = 4, context: int = CALIBRATION_PREFIX) -> dict[int, float]:
+    """Best-of-`repeats` seconds of one forward over `width` new tokens after `context` cached ones,
+    with the model as it is (attention, weights): the pass generation runs.
 
     Widths are measured in interleaved rounds, so a burst of other work on the machine spoils one
     sample of each width rather than every sample of one.
@@ -94,21 +109,21 @@ def time_forward(model: torch.nn.Module, widths: tuple[int, ...], repeats: int =
     device = next(model.parameters()).device
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(0)
-    prefix = torch.randint(0, vocab, (1, CALIBRATION_PREFIX), generator=gen).to(device)
+    prefix = torch.randint(0, vocab, (1, context), generator=gen).to(device)
     kv = KVCache()
     model(input_ids=prefix, cache=kv.cache, use_cache=True, logits_to_keep=1)
     best = {width: float("inf") for width in widths}
     for round_ in range(repeats + 1):  # round 0 is a warm-up
         for width in widths:
             ids = torch.randint(0, vocab, (1, width), generator=gen).to(device)
-            pos = torch.arange(CALIBRATION_PREFIX, CALIBRATION_PREFIX + width, device=device)[None]
+            pos = torch.arange(context, context + width, device=device)[None]
             _sync(device)
             start = time.perf_counter()
             model(input_ids=ids, position_ids=pos, cache=kv.cache, use_cache=True)
             _sync(device)
             if round_:
                 best[width] = min(best[width], time.perf_counter() - start)
-            kv.truncate(CALIBRATION_PREFIX)
+            kv.truncate(context)
     return best
 
 
@@ -120,12 +135,18 @@ def _sync(device: torch.device) -> None:
 
 
 def calibration_key(name: str, model: torch.nn.Module) -> str:
-    """What decides a pass's cost: model, dtype, device, threads, torch, and any fast-path layers
-    (prepacked or int8 weights) swapped into it."""
+    """What decides a pass's cost: model, attention path, weight format (dtype and any fast-path or
+    quantized layers: prepacked, int8, bitsandbytes), device, threads, torch."""
     param = next(model.parameters())
-    fast_paths = sorted({type(m).__name__ for m in model.modules() if type(m).__module__.startswith("localspec_kernels")})
+    fast_paths = sorted({type(m).__name__ for m in model.modules()
+                         if type(m).__module__.startswith(("localspec_kernels", "bitsandbytes"))})
     variant = f"|{'+'.join(fast_paths)}" if fast_paths else ""
-    return f"{name}{variant}|{param.dtype}|{param.device.type}|threads={torch.get_num_threads()}|torch={torch.__version__}"
+    attention = getattr(model.config, "_attn_implementation", None) or "default"
+    device = param.device.type
+    if device == "cuda":
+        device += f"={torch.cuda.get_device_name(param.device)}"
+    return (f"{name}{variant}|{param.dtype}|attention={attention}|{device}|threads={torch.get_num_threads()}"
+            f"|torch={torch.__version__}")
 
 
 def _calibration_file():
@@ -154,15 +175,30 @@ def save_calibration(key: str, value: dict) -> None:
         pass  # a calibration that cannot be saved is measured again next time
 
 
-def measured_costs(name: str, model: torch.nn.Module, widths: tuple[int, ...] = WIDTHS) -> dict[int, float]:
-    """Calibrated pass costs of a model (cached on disk after the first measurement)."""
+def measured_curves(name: str, model: torch.nn.Module, widths: tuple[int, ...] = WIDTHS,
+                    contexts: tuple[int, ...] = CONTEXTS) -> dict[int, dict[int, float]]:
+    """Calibrated pass costs of a model as it runs, per context length and width (cached on disk
+    after the first measurement)."""
     key = calibration_key(name, model)
-    cached = load_calibrations().get(key)
-    if cached and all(str(w) in cached for w in widths):
-        return {w: cached[str(w)] for w in widths}
-    costs = time_forward(model, widths)
-    save_calibration(key, {str(w): s for w, s in costs.items()})
-    return costs
+    cached = load_calibrations().get(key) or {}
+    curves = {}
+    for context in contexts:
+        known = cached.get(f"context={context}", {})
+        if not all(str(w) in known for w in widths):
+            known = {str(w): s for w, s in time_forward(model, widths, context=context).items()}
+            cached[f"context={context}"] = known
+            save_calibration(key, cached)
+        curves[context] = {w: known[str(w)] for w in widths}
+    return curves
+
+
+def measured_costs(name: str, model: torch.nn.Module, widths: tuple[int, ...] = WIDTHS) -> dict[int, float]:
+    """Calibrated pass costs after the shortest calibration context (a draft step, a dtype choice)."""
+    return measured_curves(name, model, widths, CONTEXTS[:1])[CONTEXTS[0]]
+
+
+def cost_model(curves: dict[int, dict[int, float]], draft_step_seconds: float = 0.0) -> CostModel:
+    return CostModel(curves[min(curves)], draft_step_seconds, dict(curves))
 
 
 class SpeedGuard:
@@ -173,13 +209,16 @@ class SpeedGuard:
     as a draft model slowed by other work on the machine.
     """
 
-    def __init__(self, plain_seconds: float, window: int = 16, pause: int = 16, margin: float = 0.85) -> None:
+    def __init__(self, costs: CostModel, window: int = 16, pause: int = 16, margin: float = 0.85) -> None:
+        # plain decoding's rate is read from the same cost model the drafts are sized by, at the
+        # context the passes ran at
+        self.costs = costs
         # a pass also pays for the loop around the forward, which the calibration leaves out: only
         # a clear loss (below `margin` of plain decoding's rate) switches speculation off
-        self.plain_rate = margin / plain_seconds
+        self.margin = margin
         self.window = window
         self.pause = pause
-        self.recent: list[tuple[int, float]] = []  # (tokens committed, seconds) of speculative passes
+        self.recent: list[tuple[int, float, float]] = []  # (tokens committed, seconds, plain seconds per token) of speculative passes
         self.paused_for = 0
 
     @property
@@ -193,11 +232,12 @@ class SpeedGuard:
             return ""
         if drafted == 0:
             return ""
-        self.recent = [*self.recent, (tokens, seconds)][-self.window :]
+        self.recent = [*self.recent, (tokens, seconds, self.costs.verify(1))][-self.window :]
         if len(self.recent) < self.window:
             return ""
-        rate = sum(t for t, _ in self.recent) / sum(s for _, s in self.recent)
-        if rate >= self.plain_rate:
+        rate = sum(t for t, _, _ in self.recent) / sum(s for _, s, _ in self.recent)
+        plain_rate = self.margin * sum(t for t, _, _ in self.recent) / sum(t * p for t, _, p in self.recent)
+        if rate >= plain_rate:
             return ""
         self.recent = []
         self.paused_for = self.pause

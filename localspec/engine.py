@@ -17,7 +17,7 @@ import torch
 from localspec.attention import RowPlan, use_exact_attention
 from localspec.config import GenerationLimits, SamplingConfig, SpecConfig
 from localspec.costs import AcceptanceTracker, CostModel, SpeedGuard
-from localspec.errors import LocalspecError
+from localspec.errors import LocalspecError, is_out_of_memory
 from localspec.kv import KVCache
 from localspec.proposers.base import Proposer
 from localspec.proposers.draft_model import common_prefix
@@ -167,7 +167,7 @@ class Engine:
         guess is a bet, so it is made on evidence (the grafted branch gathers it for free)."""
         self.max_nodes = 64
         """Most draft nodes per pass; halved when a wide pass runs out of memory."""
-        self.guard = SpeedGuard(costs.verify(1)) if costs is not None else None
+        self.guard = SpeedGuard(costs) if costs is not None else None
         self.stats = GenerationStats()
 
     @property
@@ -368,8 +368,8 @@ class Engine:
             try:
                 logits = self._forward(ids, positions, mask, keep=len(draft) + 1, plan=plan)  # (N+1, V)
                 break
-            except (torch.OutOfMemoryError, MemoryError):
-                if len(draft) == 0:
+            except Exception as exc:  # out of memory in any of its forms (an MPS one is a RuntimeError)
+                if not is_out_of_memory(exc) or len(draft) == 0:
                     raise
                 self.max_nodes = len(draft) // 2
                 self.stats.notices.append(f"out of memory verifying {len(draft)} drafted tokens; drafting at most {self.max_nodes} from now on")
@@ -404,12 +404,10 @@ class Engine:
                 f"the prompt is {len(tokens)} tokens; this model's context window is {self.context_len} "
                 "tokens and the answer needs room: shorten the prompt"
             )
-        generator = make_generator(sampling.seed)
+        generator = make_generator(sampling.seed, self.device)
         stats = self.stats = GenerationStats(
             proposer=self.proposer_name, reason=self.proposer_reason, prompt_tokens=len(tokens)
         )
-        if self.costs is not None:
-            stats.plain_token_seconds = self.costs.verify(1)
         budget = min(limits.max_new_tokens, self.context_len - len(tokens))
         detok = Detokenizer(self.tokenizer, tokens) if self.tokenizer is not None else None
         scanner = StopScanner(limits.stop)
@@ -419,7 +417,10 @@ class Engine:
         self._prefill(tokens)
         stats.prefill_seconds = time.perf_counter() - started
         first_at = None
+        plain_seconds = 0.0  # what plain decoding's passes would have cost for the tokens so far
         while True:
+            if self.costs is not None:
+                self.costs.context = len(self.kv)  # the costs that size this pass's draft are read here
             t0 = time.perf_counter()
             proposal = self._propose(tokens, budget - produced, sampling, generator)
             t1 = time.perf_counter()
@@ -430,6 +431,9 @@ class Engine:
             if self.guard is not None and (notice := self.guard.record(len(draft), accepted + 1, t2 - t0)):
                 stats.notices.append(notice)
             self._judge(proposal, [draft.tokens[n] for n in verdict.accepted], t2 - t0)
+            if self.costs is not None:
+                plain_seconds += (accepted + 1) * self.costs.verify(1)
+                stats.plain_token_seconds = plain_seconds / (stats.passes + stats.accepted)
 
             new = [(draft.tokens[n], True) for n in verdict.accepted] + [(verdict.next_token, False)]
             event = TokenEvent()

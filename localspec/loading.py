@@ -65,7 +65,7 @@ class LoadedModel:
     """True when this load had to convert from GGUF (a dtype cast from the float32 cache is not cold)."""
     quant: str = "none"
     """Weight format: none (dtype as loaded), int8, int4 or nf4 (activations then bf16), or w8a8."""
-    verify_costs: dict[int, float] | None = None
+    verify_costs: dict[int, dict[int, float]] | None = None  # per context length, per width
     """Seconds of a target pass per width on the verify path in place (set by session)."""
 
 
@@ -351,11 +351,10 @@ def load_model(
     quantization.check_supported(quant, device)
     snapshot = hub_snapshot(entry)
     cold = False
-    on_gpu_bnb = quant == "nf4" or (quant == "int8" and device.type == "cuda")
     if quant != "none":
         dtype = quantization.compute_dtype(quant)
     with _transformers_quiet(progress):
-        if quant != "none" and not on_gpu_bnb:
+        if quant != "none" and not quantization.uses_bitsandbytes(quant, device):
             model, tokenizer, cold = _load_quantized(entry, quant, snapshot, progress, pip_args)
             if quant == "w8a8":
                 quantization.quantize_activations(model)
@@ -364,9 +363,7 @@ def load_model(
         else:
             model, tokenizer, cold = _load_converted(entry, dtype, progress, pip_args)
 
-    model.to(device)
-    if on_gpu_bnb:
-        quantization.quantize_model(model, quant, device)
+    place(model, quant, device)
     model.eval()
     model.requires_grad_(False)
     generation = getattr(model, "generation_config", None)
@@ -386,6 +383,25 @@ def load_model(
         cold=cold,
         quant=quant,
     )
+
+
+def place(model: torch.nn.Module, quant: str, device: torch.device) -> None:
+    """Move a loaded model to its device. bitsandbytes' formats are quantized on the way in, layer
+    by layer, so the device never holds the 16-bit model (which is what did not fit)."""
+    if quantization.uses_bitsandbytes(quant, device):
+        quantization.quantize_model(model, quant, device)
+    model.to(device)
+    free_memory()  # bitsandbytes' scratch: what the load freed shows as free memory
+
+
+def free_memory() -> None:
+    """Give back the memory of freed models: Python's garbage, then the CUDA / MPS allocators'
+    caches, which otherwise keep it reserved, so that free memory looks smaller than it is."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    elif torch.backends.mps.is_available():
+        torch.mps.empty_cache()
 
 
 def _load_converted(entry: ModelEntry, dtype: torch.dtype, progress: bool, pip_args: Sequence[str]):

@@ -1,6 +1,8 @@
 """Logits -> probabilities under the user's sampling settings, and drawing tokens from them.
 
 Target and draft go through the same transform, so the acceptance rule compares like with like.
+Everything stays on the logits' device (the generator too); what the host needs is read back in
+one go (`read_token`).
 """
 
 from __future__ import annotations
@@ -28,13 +30,21 @@ def probs_from_logits(logits: torch.Tensor, sampling: SamplingConfig) -> torch.T
     return logits.softmax(dim=-1)
 
 
-def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
-    """Draw one token id from a (V,) distribution."""
-    return int(torch.multinomial(probs, 1, generator=generator).item())
+def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """Draw one token id from a (V,) distribution on the generator's device: a 0-d tensor there."""
+    return torch.multinomial(probs, 1, generator=generator)[0]
 
 
-def make_generator(seed: int | None) -> torch.Generator:
-    gen = torch.Generator(device="cpu")
+def read_token(token: torch.Tensor, probability: torch.Tensor) -> tuple[int, float]:
+    """A 0-d token id and a 0-d probability to the host in one read (one sync, not two); ids are
+    exact in float32 below 2**24."""
+    token_id, value = torch.stack((token.float(), probability.float())).tolist()
+    return int(token_id), value
+
+
+def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
+    """The seeded generator of one generation, on the device whose tensors it draws."""
+    gen = torch.Generator(device=device)
     if seed is None:
         gen.seed()
     else:

@@ -7,7 +7,6 @@ files or dtype choices.
 from __future__ import annotations
 
 import functools
-import gc
 import sys
 from dataclasses import dataclass
 
@@ -15,11 +14,12 @@ import psutil
 import torch
 
 from localspec import quant as quantization
+from localspec.attention import use_exact_attention
 from localspec.config import SpecConfig, eagle_head_dir, has_eagle_head
-from localspec.costs import CostModel, WIDTHS, load_calibrations, measured_costs, save_calibration
+from localspec.costs import CostModel, WIDTHS, cost_model, load_calibrations, measured_costs, measured_curves, save_calibration
 from localspec.engine import Engine
 from localspec.errors import LocalspecError, is_out_of_memory
-from localspec.loading import LoadedModel, first_line, hub_snapshot, load_model, pick_device
+from localspec.loading import LoadedModel, first_line, free_memory, hub_snapshot, load_model, pick_device
 from localspec.pairing import check_tokenizers, situation
 from localspec.proposers import DraftModelProposer, NgramProposer
 from localspec.proposers.eagle import EagleProposer
@@ -55,35 +55,38 @@ def notice(message: str, quiet: bool = False) -> None:
         print(f"localspec: {message}", file=sys.stderr, flush=True)
 
 
-def fast_verify_path(target: LoadedModel, widths=WIDTHS) -> dict[int, float]:
-    """Measure the target's pass cost per width, with prepacked weights for wide passes when
-    that measures faster and memory allows; returns the cost curve of the path now in place."""
+def fast_verify_path(target: LoadedModel, widths=WIDTHS) -> dict[int, dict[int, float]]:
+    """Measure the target's pass cost per context length and width, with prepacked weights for
+    wide passes when that measures faster and memory allows; returns the cost curves of the path
+    now in place."""
     if target.verify_costs is None:
         target.verify_costs = _choose_verify_path(target, widths)
     return target.verify_costs
 
 
-def _choose_verify_path(target: LoadedModel, widths) -> dict[int, float]:
-    plain = measured_costs(target.name, target.model, widths)
+def _choose_verify_path(target: LoadedModel, widths) -> dict[int, dict[int, float]]:
+    plain = measured_curves(target.name, target.model, widths)
     if target.device.type != "cpu" or not packing_supported():
         return plain
     if psutil.virtual_memory().available < linear_bytes(target.model) + PACKING_MEMORY_MARGIN:
         return plain
     pack_linears(target.model, wide_from=2)
-    packed = measured_costs(target.name, target.model, widths)
-    # the packed path from the narrowest width from which it wins at every wider width
-    wide_from = next((w for w in widths if w >= 2 and all(packed[v] < plain[v] for v in widths if v >= w)), None)
+    packed = measured_curves(target.name, target.model, widths)
+    # the packed path from the narrowest width from which it wins at every wider width and context
+    wide_from = next((w for w in widths if w >= 2 and all(packed[c][v] < plain[c][v] for c in plain for v in widths if v >= w)), None)
     if wide_from is None:
         unpack_linears(target.model)
         return plain
     set_wide_from(target.model, wide_from)
-    return {w: plain[w] if w < wide_from else packed[w] for w in widths}
+    return {c: {w: plain[c][w] if w < wide_from else packed[c][w] for w in widths} for c in plain}
 
 
 def costs_for(target: LoadedModel, draft: LoadedModel | None, widths=WIDTHS) -> CostModel:
+    """The costs of the passes generation runs: the target with the attention the engine gives it."""
+    use_exact_attention(target.model)
     verify = fast_verify_path(target, widths)
     step = measured_costs(draft.name, draft.model, (1,))[1] if draft is not None else 0.0
-    return CostModel(verify, step)
+    return cost_model(verify, step)
 
 
 def _best_rate(costs: CostModel, proposer: str, max_len: int) -> float:
@@ -97,7 +100,8 @@ def choose_dtype(
 ) -> tuple[torch.dtype, str]:
     """The compute dtype: bf16/fp16 on accelerators; on a CPU whichever the measurement favours."""
     if device.type == "cuda":
-        dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        # a card that only emulates bf16 (before Ampere) runs it far slower than fp16
+        dtype = torch.bfloat16 if torch.cuda.is_bf16_supported(including_emulation=False) else torch.float16
         return dtype, f"{dtype} on CUDA"
     if device.type == "mps":
         return torch.float16, "float16 on MPS"
@@ -306,7 +310,7 @@ def open_session(
     if short is not None:
         # Out of the except block, the traceback no longer holds the first attempt's target:
         # collect it before the retry, or two targets would have to fit at once.
-        gc.collect()
+        free_memory()
         # the draft is what did not fit (the target alone is loaded next): go on with prompt lookup
         proposer = "ngram"
         reason = f"the draft {draft_entry.name} did not fit in memory ({short}); using prompt lookup instead"
@@ -323,5 +327,5 @@ def open_session(
         return Session(entry, target, draft, engine, proposer, reason, dtype_reason)
     # auto picked a head that cannot be loaded: choose again without it (the reason says why)
     del target, draft
-    gc.collect()
+    free_memory()
     return open_session(model, requested, dtype, spec, quiet, registry, head_error=head_error)

@@ -20,10 +20,12 @@ from dataclasses import dataclass
 import torch
 
 from localspec.config import SamplingConfig
-from localspec.sampling import probs_from_logits, sample
+from localspec.sampling import probs_from_logits
 from localspec.tree import Draft
+from localspec_kernels import rejection_rule
 from localspec_kernels.rejection_rule import children_table
-from localspec_kernels.rejection_rule import residual as _residual  # a module global: tests swap in a wrong rule
+from localspec_kernels.triton_int4 import triton_available
+from localspec_kernels.triton_sampling import rejection_sample
 
 
 @dataclass
@@ -36,7 +38,7 @@ class Verdict:
 
 def verify_greedy(draft: Draft, target_logits: torch.Tensor) -> Verdict:
     """target_logits: (N+1, V), row 0 after the root, row i+1 after node i."""
-    best = target_logits.argmax(dim=-1).tolist()  # (N+1,)
+    best = target_logits.argmax(dim=-1).tolist()  # (N+1,): the pass's one read
     children = children_table(draft.parents)
     accepted: list[int] = []
     node = -1
@@ -49,27 +51,50 @@ def verify_greedy(draft: Draft, target_logits: torch.Tensor) -> Verdict:
         node = match
 
 
-def verify_sampling(
-    draft: Draft, target_logits: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator
-) -> Verdict:
-    """Lossless rejection sampling over a chain or tree; target_logits as in verify_greedy."""
-    target_probs = probs_from_logits(target_logits, sampling)  # (N+1, V)
-    children = children_table(draft.parents)
-    accepted: list[int] = []
-    node = -1
-    while True:
-        p = target_probs[node + 1]
-        for child in children[node + 1]:
-            x, q = draft.tokens[child], draft.probs[child]
-            px = float(p[x])
-            accept_prob = px if q is None else min(1.0, px / max(float(q[x]), 1e-20))
-            if torch.rand((), generator=generator).item() < accept_prob:
-                accepted.append(child)
-                node = child
-                break
-            p = _residual(p, q, x)
+def draft_probs(draft: Draft, vocab: int, device: torch.device) -> torch.Tensor | None:
+    """(N, V) on `device`: each node's q, a one-hot row for a fixed guess (the rule treats both
+    alike: accept with min(1, p(x) / 1), residual max(0, p - one-hot) = p without x); None when
+    every node is a fixed guess."""
+    if all(q is None for q in draft.probs):
+        return None
+    rows = torch.zeros(len(draft), vocab, device=device)  # (N, V)
+    for i, (token, q) in enumerate(zip(draft.tokens, draft.probs)):
+        if q is None:
+            rows[i, token] = 1.0
         else:
-            return Verdict(accepted, sample(p, generator))
+            rows[i] = q
+    return rows
+
+
+def verify_sampling(
+    draft: Draft, target_logits: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator,
+    fused: bool | None = None,
+) -> Verdict:
+    """Lossless rejection sampling over a chain or tree; target_logits as in verify_greedy.
+
+    Probabilities and random numbers are made on the logits' device; the walk runs either in the
+    fused kernel there (CUDA with Triton; `fused` forces it, e.g. under Triton's interpreter) or
+    on the host after one read of everything it needs.
+    """
+    n = len(draft)
+    device = target_logits.device
+    target = probs_from_logits(target_logits, sampling)  # (N+1, V)
+    uniforms = torch.rand(n + 1, generator=generator, device=device)  # (N+1,): one per node, then the final draw
+    q = draft_probs(draft, target.shape[-1], device)  # (N, V) or None
+    if fused is None:
+        fused = device.type == "cuda" and triton_available()
+    if fused:
+        accepted, token = rejection_sample(target, torch.tensor(draft.tokens), torch.tensor(draft.parents, dtype=torch.long),
+                                           q, uniforms[:n], uniforms[n])
+        return Verdict(accepted, token)
+    parts = [target.flatten(), uniforms] + ([] if q is None else [q.flatten()])
+    host = torch.cat(parts).numpy(force=True)  # the pass's one read: (N+1) x V probabilities, N+1 uniforms, q
+    vocab = target.shape[-1]
+    size = (n + 1) * vocab
+    target_host = host[:size].reshape(n + 1, vocab)
+    q_host = None if q is None else host[size + n + 1 :].reshape(n, vocab)
+    accepted, token = rejection_rule.walk(target_host, draft.tokens, draft.parents, q_host, host[size : size + n + 1])
+    return Verdict(accepted, token)
 
 
 def verify(

@@ -14,13 +14,13 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from localspec import verify as verify_module
 from localspec.config import GenerationLimits, SamplingConfig, SpecConfig
 from localspec.engine import Engine
 from localspec.proposers import DraftModelProposer
 from localspec.sampling import make_generator, probs_from_logits
 from localspec.tree import Draft
 from localspec.verify import verify_sampling
+from localspec_kernels import rejection_rule
 
 VOCAB = 6
 PROMPT = [1, 2, 3, 4]
@@ -98,7 +98,7 @@ def test_a_sampled_draft_with_a_lookup_branch_keeps_target_distribution():
 
 def test_wrong_rejection_rule_is_detected(monkeypatch):
     # a classic bug: after a rejection, sample from p instead of the residual max(0, p - q)
-    monkeypatch.setattr(verify_module, "_residual", lambda p, q, token: p)
+    monkeypatch.setattr(rejection_rule, "residual", lambda p, q, token: p)
     target, draft = models()
     n = 1000
     counts, _ = sample_pairs(target, draft, dict(temperature=1.0), n)
@@ -128,7 +128,7 @@ def test_tree_multi_candidate_rule_keeps_target_distribution():
 
 
 def test_tree_rule_without_renormalising_is_detected(monkeypatch):
-    monkeypatch.setattr(verify_module, "_residual", lambda p, q, token: p)
+    monkeypatch.setattr(rejection_rule, "residual", lambda p, q, token: p)
     p = torch.tensor([0.05, 0.4, 0.1, 0.3, 0.15])
     draft = Draft([1, 3, 0, 2], [-1, -1, -1, 0])
     n = 20000

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from localspec.costs import AcceptanceTracker, CostModel, measured_costs
 from localspec.stats import GenerationStats, predicted_speedup
@@ -71,6 +72,48 @@ def test_calibration_is_measured_once_and_cached(tmp_path, monkeypatch):
     monkeypatch.setattr(costs, "time_forward", lambda *a, **k: pytest.fail("measured again"))
     assert measured_costs("tiny", model, (1, 2, 4)) == first
     assert (tmp_path / "calibration.json").exists()
+
+
+def test_calibration_times_the_attention_and_contexts_generation_runs(tmp_path, monkeypatch):
+    """make_engine measures after the target has the engine's row-exact attention (before, it
+    measured SDPA), at two context lengths, under a key naming the attention path."""
+    from conftest import tiny_model
+    import localspec.costs as costs
+    from localspec import session
+    from localspec.attention import NAME
+    from localspec.config import SpecConfig
+    from localspec.loading import LoadedModel
+
+    monkeypatch.setenv("LOCALSPEC_HOME", str(tmp_path))
+    monkeypatch.setattr(session, "packing_supported", lambda: False)
+    seen = []
+    real = costs.time_forward
+
+    def recording(model, widths, repeats=4, context=costs.CALIBRATION_PREFIX):
+        seen.append((model.config._attn_implementation, context))
+        return real(model, widths, repeats=1, context=context)
+
+    monkeypatch.setattr(costs, "time_forward", recording)
+    model = tiny_model("llama")
+    assert model.config._attn_implementation != NAME
+    target = LoadedModel("tiny", model, None, torch.float32, torch.device("cpu"), 512, 0.0, False)
+    engine = session.make_engine(target, None, "ngram", SpecConfig(), "test")
+    assert seen and {attention for attention, _ in seen} == {NAME}
+    assert {context for _, context in seen} == set(costs.CONTEXTS)
+    assert f"attention={NAME}" in next(iter(costs.load_calibrations()))
+    assert engine.guard.costs is engine.costs  # the kill switch reads the same numbers
+
+
+def test_pass_cost_interpolates_between_context_lengths():
+    model = CostModel({1: 1.0, 4: 2.0}, by_context={100: {1: 1.0, 4: 2.0}, 1100: {1: 2.0, 4: 4.0}})
+    model.context = 100
+    assert model.verify(1) == pytest.approx(1.0) and model.verify(4) == pytest.approx(2.0)
+    model.context = 600
+    assert model.verify(1) == pytest.approx(1.5) and model.verify(2) == pytest.approx(2.0)
+    model.context = 2100  # beyond the last: the last slope
+    assert model.verify(4) == pytest.approx(6.0)
+    model.context = 0  # below the first: flat
+    assert model.verify(1) == pytest.approx(1.0)
 
 
 def test_statistics_derived_figures():

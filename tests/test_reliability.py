@@ -47,8 +47,7 @@ class FailingForward:
             if first is not None and getattr(first, "keys", None) is not None:
                 # the first layer has taken the new positions, the rest have not
                 n = kw["input_ids"].shape[1]
-                first.keys = torch.cat([first.keys, first.keys[..., -n:, :]], dim=-2)
-                first.values = torch.cat([first.values, first.values[..., -n:, :]], dim=-2)
+                first.update(first.keys[..., -n:, :].clone(), first.values[..., -n:, :].clone())
             raise self.error
         return self.model(**kw)
 
@@ -98,7 +97,7 @@ def test_kill_switch_pauses_a_useless_proposer_and_probes_again():
 
 
 def test_speed_guard_leaves_a_fast_proposer_alone():
-    guard = SpeedGuard(plain_seconds=0.3, window=4, pause=10)
+    guard = SpeedGuard(CostModel({1: 0.3}), window=4, pause=10)
     for _ in range(20):
         assert guard.record(drafted=4, tokens=3, seconds=0.35) == ""  # 8.6 tok/s > 3.3 plain
     assert guard.allows
@@ -227,3 +226,22 @@ def test_a_grafted_guess_keeps_the_draft_and_is_spelled_once_from_the_root(tree,
     path = matched_path(both, guess)
     assert [both.tokens[n] for n in path] == guess  # the whole guess is one root path ...
     assert len(both) - len(draft) == len(guess) - len(matched_path(draft, guess))  # ... sharing what the draft had
+
+
+def test_cache_buffers_are_written_in_place_and_grow_rarely():
+    """No copy of the cache per pass: passes write into preallocated buffers, rollback and tree
+    compaction stay inside them, and a buffer is reallocated only when it fills (doubling)."""
+    model = tiny_model("llama")
+    kv = KVCache()
+    buffers = set()
+    with torch.no_grad():
+        model(input_ids=torch.tensor([list(range(10))]), cache=kv.cache, use_cache=True)
+        for _ in range(300):
+            past = len(kv)
+            model(input_ids=torch.tensor([[1, 2, 3]]), position_ids=torch.arange(past, past + 3)[None], cache=kv.cache, use_cache=True)
+            kv.keep(past, [0, 2])  # a tree pass that kept the root and its second node
+            layer = kv.cache.layers[0]
+            assert layer.keys.data_ptr() == layer.key_buffer.data_ptr()  # the model sees a view, not a copy
+            buffers.add(layer.key_buffer.data_ptr())
+    assert len(kv) == 10 + 2 * 300
+    assert len(buffers) <= 3  # 610 slots: 256 -> 512 -> 1024

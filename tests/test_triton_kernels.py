@@ -258,3 +258,32 @@ def test_modules_import_without_triton():
     )
     result = run_python(code)
     assert result.returncode == 0 and "needs triton" in result.stdout, result.stderr[-3000:]
+
+
+# ---------------------------------------------------------------------------------------------
+# the kernel inside verify.py's rule
+
+
+def test_verify_sampling_gives_the_same_verdicts_fused_and_on_the_host():
+    """verify_sampling's CUDA path (the kernel) and its host walk draw the same uniforms from the
+    same generator, so they must agree verdict for verdict; here under the interpreter."""
+    from localspec.config import SamplingConfig
+    from localspec.sampling import make_generator
+    from localspec.tree import Draft
+    from localspec.verify import verify_sampling
+
+    gen = torch.Generator().manual_seed(11)
+    vocab = 40
+    sampling = SamplingConfig(temperature=0.9, top_k=30)
+    endings = set()
+    for seed in range(30):
+        # a sampled chain with its own q, and a fixed guess grafted beside it (one-hot q)
+        q = torch.softmax(torch.randn(3, vocab, generator=gen) * 2, dim=-1).to(DEVICE)
+        tokens = torch.multinomial(q.cpu(), 1, generator=gen)[:, 0].tolist()
+        draft = Draft([*tokens, (tokens[0] + 1) % vocab], [-1, 0, 1, -1], [*q, None])
+        logits = (torch.randn(len(draft) + 1, vocab, generator=gen) * 2).to(DEVICE)
+        host = verify_sampling(draft, logits, sampling, make_generator(seed, DEVICE), fused=False)
+        fused = verify_sampling(draft, logits, sampling, make_generator(seed, DEVICE), fused=True)
+        assert (fused.accepted, fused.next_token) == (host.accepted, host.next_token)
+        endings.add(tuple(host.accepted))
+    assert len(endings) >= 3  # rejections at different places, and the grafted branch

@@ -9,7 +9,7 @@ import torch
 from localspec.config import SamplingConfig
 from localspec.kv import KVCache
 from localspec.proposers.base import Proposer
-from localspec.sampling import probs_from_logits, sample
+from localspec.sampling import probs_from_logits, read_token, sample
 from localspec.tree import Draft
 
 
@@ -60,13 +60,14 @@ class DraftModelProposer(Proposer):
         probs: list[torch.Tensor | None] = []
         confidences: list[float] = []
         for step in range(max_len):
-            q = probs_from_logits(logits, sampling).cpu() if not sampling.greedy else None  # (V,)
-            if q is None:
-                token = int(logits.argmax())
-                confidence = float(logits.float().softmax(-1)[token])
+            if sampling.greedy:
+                q = None
+                dist = logits.float().softmax(-1)  # (V,)
+                token = logits.argmax()
             else:
+                q = dist = probs_from_logits(logits, sampling).to(generator.device)  # (V,): beside the target's p
                 token = sample(q, generator)
-                confidence = float(q[token])
+            token, confidence = read_token(token, dist[token])  # one read per step
             if worth is not None and not worth([*confidences, confidence]):
                 break
             drafted.append(token)

@@ -170,11 +170,13 @@ class EagleProposer(Proposer):
         k = max(1, min(self.top_k, max_len))
         logp = torch.log_softmax(self.head.logits(last).float(), dim=-1)[0]  # (Vd,)
         top = torch.topk(logp, k)
+        # one read per level (draft-vocabulary ids are exact in float32)
+        read = torch.cat((top.indices.float(), top.values)).tolist()
         # every candidate seen: draft-vocabulary token, parent candidate (-1 = root), score, depth
-        cand_tokens: list[int] = top.indices.tolist()
+        cand_tokens: list[int] = [int(t) for t in read[:k]]
         cand_parent: list[int] = [-1] * k
-        cand_score: list[float] = top.values.tolist()
-        cand_logp: list[float] = top.values.tolist()
+        cand_score: list[float] = read[k:]
+        cand_logp: list[float] = read[k:]
         cand_depth: list[int] = [1] * k
         frontier = list(range(k))  # candidates to expand next
         frontier_hidden = last.expand(k, -1)  # (k, h): the output whose logits proposed each frontier node
@@ -213,16 +215,18 @@ class EagleProposer(Proposer):
             child = torch.topk(child_logp, k, dim=-1)  # (f, k)
             parent_scores = torch.tensor([cand_score[c] for c in frontier], device=child.values.device)
             scores = (parent_scores[:, None] + child.values).flatten()  # (f * k,)
+            best = torch.topk(scores, min(k, scores.numel())).indices  # (k,): the next frontier
+            frontier_hidden = out[0][best // k]  # (k, h): each new frontier node's parent output
+            n = scores.numel()
+            read = torch.cat((child.indices.flatten().float(), scores, child.values.flatten(), best.float())).tolist()
             depth += 1
             first_new = len(cand_tokens)
-            cand_tokens += child.indices.flatten().tolist()
+            cand_tokens += [int(t) for t in read[:n]]
             cand_parent += [c for c in frontier for _ in range(k)]
-            cand_score += scores.tolist()
-            cand_logp += child.values.flatten().tolist()
-            cand_depth += [depth] * scores.numel()
-            best = torch.topk(scores, min(k, scores.numel())).indices.tolist()
-            frontier = [first_new + b for b in best]
-            frontier_hidden = out[0][[b // k for b in best]]  # (k, h): each new frontier node's parent output
+            cand_score += read[n : 2 * n]
+            cand_logp += read[2 * n : 3 * n]
+            cand_depth += [depth] * n
+            frontier = [first_new + int(b) for b in read[3 * n :]]
             elapsed = time.perf_counter() - t0
             self.step_seconds = elapsed if self.step_seconds == 0 else 0.8 * self.step_seconds + 0.2 * elapsed
 
