@@ -136,7 +136,7 @@ def run_bench(args, spec: SpecConfig) -> int:
     for one in specs:
         # one weight format at a time: its models are freed before the next one loads
         label = "" if len(specs) == 1 else f"@{one.quant}"
-        long_prompt = side["long_prompt"] if side else None
+        long_prompt = side.long_prompt if side else None
         measured, weights[one.quant] = bench_weights(args, entry, registry, prompts, wanted, one, label, long_prompt)
         results.update(measured)
     baseline_mode = f"none{'' if len(specs) == 1 else '@' + specs[0].quant}"
@@ -216,7 +216,7 @@ def bench_weights(args, entry, registry, prompts, wanted, spec: SpecConfig, labe
         # measured now rather than read from the calibration cache, so both sides share the run
         passes = time_forward(target.model, PASS_WIDTHS)
         how["vs_llama_cpp"] = {
-            "pass_ms": {w: s * 1000 for w, s in passes.items()},
+            "weights": target.quant, "pass_ms": {w: s * 1000 for w, s in passes.items()},
             "long_prompt_tokens": len(engines["none"].encode(long_prompt)), "ttft_seconds": first["ttft_seconds"],
         }
     return {mode + label: runs for mode, runs in results.items()}, how
@@ -329,12 +329,13 @@ def bench_llama_cpp(side: LlamaCppSide, entry, prompts: list[dict], max_new: int
         "draft_gguf": str(side.draft_gguf) if side.draft_gguf else None, "results": runs, "ratios": per_prompt,
         "pass_costs": {
             "context_tokens": CALIBRATION_PREFIX,
-            "localspec_ms": {w["target_weights"]: w["vs_llama_cpp"]["pass_ms"] for w in weights.values()},
+            "localspec_ms": {w["vs_llama_cpp"]["weights"]: w["vs_llama_cpp"]["pass_ms"] for w in weights.values()},
             "llama_cpp_ms": bench["pass_ms"], "llama_cpp_decode_tokens_per_second": bench["decode_tokens_per_second"],
         },
         "prompt_processing": {
-            "localspec": {w["target_weights"]: {"prompt_tokens": w["vs_llama_cpp"]["long_prompt_tokens"],
-                                                "ttft_seconds": w["vs_llama_cpp"]["ttft_seconds"]} for w in weights.values()},
+            "localspec": {w["vs_llama_cpp"]["weights"]: {"prompt_tokens": w["vs_llama_cpp"]["long_prompt_tokens"],
+                                                         "ttft_seconds": w["vs_llama_cpp"]["ttft_seconds"]}
+                          for w in weights.values()},
             "llama_cpp": {"prompt_tokens": prefill["prompt_tokens"], "seconds": prefill["prompt_seconds"]},
         },
         "one_shot": one_shot,
