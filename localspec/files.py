@@ -21,7 +21,7 @@ import re
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Iterator
+from typing import BinaryIO, Callable, Iterator
 
 from localspec.errors import LocalspecError
 
@@ -51,10 +51,16 @@ def write_text_atomic(path: Path, text: str, *, durable: bool = True) -> None:
     durable=True also syncs the file and its folder, so the new text survives a power cut; the
     chat history, saved after every streamed batch, skips that cost.
     """
+    write_atomic(path, lambda out: out.write(text.encode("utf-8")), durable=durable)
+
+
+def write_atomic(path: Path, write: Callable[[BinaryIO], object], *, durable: bool = True) -> None:
+    """Replace `path` with what `write` writes to the open (binary) file it is given, atomically
+    as in write_text_atomic."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as out:
-            out.write(text)
+        with os.fdopen(fd, "wb") as out:
+            write(out)
             if durable:
                 out.flush()
                 os.fsync(out.fileno())

@@ -492,6 +492,8 @@ def _load_quant_cache(entry: ModelEntry, path: Path, progress: bool, run_as: str
     except LocalspecError:  # the kernel cannot run here: the files are fine
         raise
     except Exception as exc:
+        if is_out_of_memory(exc):  # the files are fine, the machine is short of memory
+            raise
         if progress:
             print(f"the quantized copy of {entry.name} in {path} is unreadable ({first_line(exc)}); "
                   "quantizing it again", file=sys.stderr)

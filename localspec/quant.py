@@ -20,14 +20,13 @@ quantized model's own output, and `localspec bench --quant` shows what quantizin
 
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
 
 import torch
 
 from localspec.config import home_dir
 from localspec.errors import LocalspecError
+from localspec.files import write_atomic
 from localspec_kernels import cpu_w4a8
 from localspec_kernels.cpu_build import KernelUnavailable
 from localspec_kernels.cpu_int8 import Int8Linear, int8_shape_ok, int8_supported
@@ -183,7 +182,7 @@ def use_w4a8(model: torch.nn.Module, blocks_file: Path | None) -> None:
         for name, layer in zip(names, cpu_w4a8.fuse([int4[n] for n in names], kernel, blocks)):
             _replace(model, name, layer)
     if stored is None and blocks_file is not None:
-        _save_atomic(packed, blocks_file)
+        _save_blocks(packed, blocks_file)
     embedding = model.get_input_embeddings()
     for module in model.modules():
         if module is embedding:
@@ -226,19 +225,13 @@ def _read_blocks(blocks_file: Path, groups: list[list[str]], int4: dict[str, tor
         return None
 
 
-def _save_atomic(tensors: dict[str, torch.Tensor], path: Path) -> None:
-    """Write through a private temporary file and rename: a reader never sees half a file, two
-    writers never share one; a read-only or full disk only costs the next load the packing again."""
+def _save_blocks(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """Store the packed blocks (atomically); a read-only or full disk only costs the next load the
+    packing again."""
     try:
-        fd, partial = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".partial")
-        os.close(fd)
-    except OSError:
-        return
-    try:
-        torch.save(tensors, partial)
-        os.replace(partial, path)
+        write_atomic(path, lambda out: torch.save(tensors, out), durable=False)
     except Exception:
-        Path(partial).unlink(missing_ok=True)
+        pass
 
 
 def describe(model: torch.nn.Module) -> str:
