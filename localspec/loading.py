@@ -391,10 +391,10 @@ def place(model: torch.nn.Module, quant: str, device: torch.device) -> None:
     if quantization.uses_bitsandbytes(quant, device):
         quantization.quantize_model(model, quant, device)
     model.to(device)
-    free_memory()  # bitsandbytes' scratch: what the load freed shows as free memory
+    release_memory()  # bitsandbytes' scratch: what the load freed shows as free memory
 
 
-def free_memory() -> None:
+def release_memory() -> None:
     """Give back the memory of freed models: Python's garbage, then the CUDA / MPS allocators'
     caches, which otherwise keep it reserved, so that free memory looks smaller than it is."""
     gc.collect()

@@ -19,7 +19,7 @@ from localspec.config import SpecConfig, eagle_head_dir, has_eagle_head
 from localspec.costs import CostModel, WIDTHS, cost_model, load_calibrations, measured_costs, measured_curves, save_calibration
 from localspec.engine import Engine
 from localspec.errors import LocalspecError, is_out_of_memory
-from localspec.loading import LoadedModel, first_line, free_memory, hub_snapshot, load_model, pick_device
+from localspec.loading import LoadedModel, first_line, hub_snapshot, load_model, pick_device, release_memory
 from localspec.pairing import check_tokenizers, situation
 from localspec.proposers import DraftModelProposer, NgramProposer
 from localspec.proposers.eagle import EagleProposer
@@ -310,7 +310,7 @@ def open_session(
     if short is not None:
         # Out of the except block, the traceback no longer holds the first attempt's target:
         # collect it before the retry, or two targets would have to fit at once.
-        free_memory()
+        release_memory()
         # the draft is what did not fit (the target alone is loaded next): go on with prompt lookup
         proposer = "ngram"
         reason = f"the draft {draft_entry.name} did not fit in memory ({short}); using prompt lookup instead"
@@ -327,5 +327,5 @@ def open_session(
         return Session(entry, target, draft, engine, proposer, reason, dtype_reason)
     # auto picked a head that cannot be loaded: choose again without it (the reason says why)
     del target, draft
-    free_memory()
+    release_memory()
     return open_session(model, requested, dtype, spec, quiet, registry, head_error=head_error)

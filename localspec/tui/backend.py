@@ -99,13 +99,13 @@ class SessionBackend:
     def open(self, settings: ChatSettings, status: Callable[[str], None]) -> Loaded:
         status("importing torch")
         from localspec import session as sessions
-        from localspec.loading import free_memory, load_model
+        from localspec.loading import load_model, release_memory
 
         entry = self.registry.get(settings.model)
         current = self.session
         if current is None or current.entry.name != entry.name or self.dtype not in (None, settings.dtype):
             self.session = current = None
-            free_memory()  # free the old weights before the new ones arrive
+            release_memory()  # free the old weights before the new ones arrive
             status(f"loading {entry.name} (the first time: download, conversion, measurements)")
             current = self.session = sessions.open_session(
                 entry.name, settings.spec.proposer, settings.dtype, settings.spec, quiet=True, registry=self.registry
