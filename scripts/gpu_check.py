@@ -36,7 +36,7 @@ def random_model(name: str) -> torch.nn.Module:
     config = config_class(**shape, max_position_embeddings=4096, tie_word_embeddings=False)
     torch.manual_seed(0)
     with torch.device("cuda"):
-        return model_class._from_config(config, torch_dtype=torch.bfloat16).eval().requires_grad_(False)
+        return model_class._from_config(config, dtype=torch.bfloat16).eval().requires_grad_(False)
 
 
 def main() -> None:
