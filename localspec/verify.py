@@ -84,8 +84,8 @@ def verify_sampling(
     if fused is None:
         fused = device.type == "cuda" and triton_available()
     if fused:
-        accepted, token = rejection_sample(target, torch.tensor(draft.tokens), torch.tensor(draft.parents, dtype=torch.long),
-                                           q, uniforms[:n], uniforms[n])
+        tokens, parents = torch.tensor(draft.tokens, dtype=torch.long), torch.tensor(draft.parents, dtype=torch.long)
+        accepted, token = rejection_sample(target, tokens, parents, q, uniforms[:n], uniforms[n])  # one read
         return Verdict(accepted, token)
     parts = [target.flatten(), uniforms] + ([] if q is None else [q.flatten()])
     host = torch.cat(parts).numpy(force=True)  # the pass's one read: (N+1) x V probabilities, N+1 uniforms, q
