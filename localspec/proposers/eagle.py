@@ -23,6 +23,7 @@ import torch
 
 from localspec.config import SamplingConfig
 from localspec.costs import CostModel
+from localspec.kv import SlotLayer
 from localspec.proposers.base import Proposer
 from localspec.proposers.draft_model import common_prefix
 from localspec.proposers.eagle_head import EagleHead
@@ -86,8 +87,8 @@ class EagleProposer(Proposer):
         self.reset()
 
     def reset(self) -> None:
-        self.keys: torch.Tensor | None = None  # (1, Hkv, L, d): the head's cache over committed positions
-        self.values: torch.Tensor | None = None
+        # the head's keys/values: committed positions, then (while drafting) the tree's levels
+        self.cache = SlotLayer()
         self.cached: list[int] = []  # tokens[:L + 1] when the head's cache was filled: position t read token t + 1
 
     def close(self) -> None:
@@ -116,14 +117,13 @@ class EagleProposer(Proposer):
         one, (1, h), whose logits guess the token after `tokens`."""
         n = len(tokens)
         keep = max(min(common_prefix(self.cached, tokens) - 1, n - 2), 0)
-        if self.keys is not None:
-            self.keys, self.values = self.keys[:, :, :keep], self.values[:, :, :keep]
+        if self.cache.is_initialized:
+            self.cache.set_length(keep)  # later slots are overwritten
         hidden = self.features[keep : n - 1][None]  # (1, T, F)
         ids = torch.tensor([tokens[keep + 1 : n]], device=self.device)  # (1, T)
         positions = torch.arange(keep, n - 1, device=self.device)[None]  # (1, T)
-        out, k, v = self.head(hidden, ids, positions, self.keys, self.values)
-        self.keys = k if self.keys is None else torch.cat([self.keys, k], dim=2)
-        self.values = v if self.values is None else torch.cat([self.values, v], dim=2)
+        out, k, v = self.head(hidden, ids, positions, self.cache.keys, self.cache.values)
+        self.cache.update(k, v)
         self.cached = list(tokens)
         return out[:, -1]  # (1, h)
 
@@ -166,7 +166,7 @@ class EagleProposer(Proposer):
         if max_len <= 0 or len(self.features) != len(tokens) - 1 or len(tokens) < 2:
             return Draft.chain([])
         last = self._catch_up(tokens)  # (1, h)
-        stable = self.keys.shape[2]
+        stable = self.cache.length
         k = max(1, min(self.top_k, max_len))
         logp = torch.log_softmax(self.head.logits(last).float(), dim=-1)[0]  # (Vd,)
         top = torch.topk(logp, k)
@@ -180,7 +180,6 @@ class EagleProposer(Proposer):
         cand_depth: list[int] = [1] * k
         frontier = list(range(k))  # candidates to expand next
         frontier_hidden = last.expand(k, -1)  # (k, h): the output whose logits proposed each frontier node
-        tree_keys = tree_values = None  # (1, Hkv, m, d): the head's entries for expanded candidates
         tree_rows: list[int] = []  # candidate index of each expanded entry
         visible = torch.zeros(0, 0, dtype=torch.bool, device=self.device)  # (m, m): entry sees entry
         depth = 1
@@ -201,11 +200,9 @@ class EagleProposer(Proposer):
             ids = torch.tensor([[cand_tokens[c] for c in frontier]], device=self.device)
             ids = self.head.to_target_ids(ids)
             positions = torch.full((1, len(frontier)), len(tokens) - 2 + depth, device=self.device)
-            past_k = self.keys if tree_keys is None else torch.cat([self.keys, tree_keys], dim=2)
-            past_v = self.values if tree_values is None else torch.cat([self.values, tree_values], dim=2)
-            out, nk, nv = self.head(frontier_hidden[None], ids, positions, past_k, past_v, mask)  # out (1, f, h)
-            tree_keys = nk if tree_keys is None else torch.cat([tree_keys, nk], dim=2)
-            tree_values = nv if tree_values is None else torch.cat([tree_values, nv], dim=2)
+            # past: the committed entries, then the expanded candidates' (m of them)
+            out, nk, nv = self.head(frontier_hidden[None], ids, positions, self.cache.keys, self.cache.values, mask)  # out (1, f, h)
+            self.cache.update(nk, nv)
             grown = torch.zeros(m + len(frontier), m + len(frontier), dtype=torch.bool, device=self.device)
             grown[:m, :m] = visible
             grown[m:] = rows
@@ -229,6 +226,7 @@ class EagleProposer(Proposer):
             frontier = [first_new + int(b) for b in read[3 * n :]]
             elapsed = time.perf_counter() - t0
             self.step_seconds = elapsed if self.step_seconds == 0 else 0.8 * self.step_seconds + 0.2 * elapsed
+        self.cache.set_length(stable)  # the tree's entries go; the committed ones stay
 
         order = sorted(range(len(cand_tokens)), key=lambda c: -cand_score[c])
         probs = [math.exp(cand_score[c]) for c in order]
