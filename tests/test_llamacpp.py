@@ -11,6 +11,7 @@ import json
 import stat
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -326,3 +327,33 @@ def test_report_prints_the_ratios_per_prompt(capsys):
     assert "| llama.cpp best speculative | 16.00 (ngram-mod) | - |" in out
     assert "| localspec (w8a8) | 83 | 154 | 1.86x |" in out and "| llama.cpp | 34 | 188 | 5.53x |" in out
     assert "localspec run 23.3 s vs llama-completion 4.2 s (5.55x), peak memory 5.00 GB vs 2.70 GB (1.85x)" in out
+
+
+def test_bench_side_with_fake_tools(tmp_path, monkeypatch, capsys):
+    import localspec.bench as bench
+
+    monkeypatch.setattr(bench, "localspec_one_shot", lambda model, prompt: {"seconds": 20.0, "peak_rss_mb": 4000.0})
+    tools = LlamaCpp.at(fake_tools(tmp_path, ALL_OK), 2)
+    # localspec read 53 tokens where the fake llama.cpp says 52: the comparison is flagged
+    side = bench.LlamaCppSide(tools, Path("t.gguf"), Path("d.gguf"), ["<text>"], [53], "long", "<long text>")
+    results = {
+        "none": [{"prompt": "code-edit", "decode_tokens_per_second": 0.1}],
+        "ngram": [{"prompt": "code-edit", "decode_tokens_per_second": 0.4}],
+        "hf-plain": [{"prompt": "code-edit", "decode_tokens_per_second": 9.0}],  # not a localspec mode
+    }
+    weights = {"auto": {"vs_llama_cpp": {"weights": "w4a8", "pass_ms": {1: 700.0, 16: 1600.0},
+                                         "long_prompt_tokens": 52, "ttft_seconds": 10.0}}}
+    entry = SimpleNamespace(name="qwen2.5-coder-1.5b")
+    got = bench.bench_llama_cpp(side, entry, [{"name": "code-edit", "prompt": "..."}], 64, results, "none", weights)
+    assert list(got["results"]) == ["plain", "draft-simple", "ngram-simple", "ngram-mod"]
+    ratio = got["ratios"][0]
+    # the fake speculation (16 tokens in 93.55 s) is slower than the fake plain run (15 in 73.01 s)
+    assert ratio["localspec_best_mode"] == "ngram" and ratio["llama_cpp_best_mode"] == "plain"
+    assert ratio["best_vs_best"] == pytest.approx(0.4 / (15 / 73.01368))
+    assert got["pass_costs"]["llama_cpp_ms"][1] == pytest.approx(8039.893267)
+    assert got["prompt_processing"]["llama_cpp"] == {"prompt_tokens": 52, "seconds": pytest.approx(8.08715)}
+    assert "warning: llama.cpp read 52 prompt tokens of code-edit, localspec 53" in capsys.readouterr().err
+    report = {"prompts": [{"name": "code-edit"}], "llama_cpp": got}
+    json.dumps(report)
+    bench.print_llama_cpp(report)
+    assert "| localspec (w4a8) | 700 | 1600 | 2.29x |" in capsys.readouterr().out
