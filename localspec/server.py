@@ -17,6 +17,7 @@ import asyncio
 import hmac
 import ipaddress
 import json
+import os
 import socket
 import sys
 import threading
@@ -27,6 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
+import uvicorn
 from starlette.applications import Starlette
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
@@ -384,6 +386,8 @@ class Turn:
         self.ended = True
         if self.result is None:
             self.stop.set()
+        if self.service.current is self:
+            self.service.current = None
         self.service.lock.release()
 
 
@@ -399,6 +403,9 @@ class Service:
         self.metrics = Metrics()
         self.fim: tuple[int, int, int] | None = None
         self.waiting = 0
+        self.current: Turn | None = None
+        """The turn holding the engine."""
+        self.closing = False
 
     @asynccontextmanager
     async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
@@ -430,7 +437,16 @@ class Service:
         """Run fn on the engine thread."""
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
 
+    def shutdown(self) -> None:
+        """Ctrl-C: refuse new work and stop the answer in progress after its pass, so its client
+        hears why and the server can exit before its grace period runs out."""
+        self.closing = True
+        if self.current is not None:
+            self.current.stop.set()
+
     def ready(self) -> Served:
+        if self.closing:
+            raise ApiError(503, "the server is shutting down")
         if self.served is None:
             raise ApiError(503, f"the model failed to load: {self.failure}" if self.failure else "the model is still loading; try again shortly")
         return self.served
@@ -448,8 +464,10 @@ class Service:
             await until_disconnect(request, self.lock.acquire())
         finally:
             self.waiting -= 1
-        turn = Turn(self)
+        turn = self.current = Turn(self)
         try:
+            if self.closing:
+                raise ApiError(503, "the server is shutting down")
             ids, cached = await self.call(self._encode, prompt)
             context = self.served.engine.context_len
             if not ids:
@@ -608,6 +626,8 @@ class Api:
         finally:
             turn.end()  # frees the slot; stops the generation if it was cut short
         stats, finish = turn.result
+        if finish == "cancelled":
+            raise ApiError(503, "the server is shutting down; the answer was cut short")
         choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": finish}
                   if chat else {"index": 0, "text": text, "logprobs": None, "finish_reason": finish})
         return JSONResponse({**head, "object": "chat.completion" if chat else "text_completion", "choices": [choice],
@@ -640,6 +660,10 @@ class Api:
             yield sse({"error": {"message": message, "type": "server_error", "param": None, "code": None}})
             return
         stats, finish = turn.result
+        if finish == "cancelled":
+            yield sse({"error": {"message": "the server is shutting down; the answer was cut short",
+                                 "type": "unavailable_error", "param": None, "code": None}})
+            return
         yield chunk(None, finish, timings=timings(stats, turn.cached))
         if include_usage:
             yield sse({**head, "choices": [], "usage": usage(stats)})
@@ -721,12 +745,26 @@ def listen(host: str, port: int) -> socket.socket:
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
         return socket.create_server((host, port), family=family)
     except OSError as exc:
-        raise LocalspecError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+        # create_server's own text repeats the address; a failed name lookup has its own errno space
+        reason = (exc.strerror or str(exc)) if isinstance(exc, socket.gaierror) or not exc.errno else os.strerror(exc.errno)
+        raise LocalspecError(f"cannot listen on {host}:{port}: {reason}") from None
+
+
+class GracefulServer(uvicorn.Server):
+    """uvicorn, stopping the answer in progress as soon as Ctrl-C arrives, instead of letting its
+    stream run on until the grace period cancels it with a traceback."""
+
+    def __init__(self, config: uvicorn.Config, service: Service) -> None:
+        super().__init__(config)
+        self.service = service
+
+    def handle_exit(self, sig, frame) -> None:
+        self.service.shutdown()
+        super().handle_exit(sig, frame)
 
 
 def serve(config: ServeConfig, load: Callable[[], Served]) -> int:
     """Listen, load the model behind /health's 503, serve until Ctrl-C."""
-    import uvicorn
 
     def say(line: str) -> None:
         print(f"localspec: {line}", file=sys.stderr, flush=True)
@@ -746,7 +784,7 @@ def serve(config: ServeConfig, load: Callable[[], Served]) -> int:
         return served
 
     app = create_app(load_then_announce, config, log=say)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
+    server = GracefulServer(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5), app.state.service)
     say(f"serving the OpenAI API at http://{host}:{sock.getsockname()[1]}/v1 (loading the model; /health says 503 until ready)")
     server.run(sockets=[sock])
     if failed:

@@ -320,6 +320,25 @@ def test_a_client_that_disconnects_frees_the_server_within_one_pass():
     assert 'localspec_generations_total{finish="cancelled"} 1' in text
 
 
+def test_shutdown_cuts_the_answer_in_progress_short_and_says_why():
+    gated = Gated(tiny_engine())
+    app = create_app(lambda: Served("tiny", gated))
+    with http_server(app) as url:
+        gated.held = True
+        with httpx.stream("POST", url + "/v1/chat/completions", json={**OK, "max_tokens": 200, "stream": True}, timeout=30) as r:
+            lines = r.iter_lines()
+            assert "assistant" in next(lines)
+            wait_for(lambda: len(gated.runs) == 1)  # its first pass is waiting at the gate
+            app.state.service.shutdown()  # what Ctrl-C does first
+            gated.held = False
+            gated.go.release()
+            chunks = events(lines)
+        assert chunks[-1]["error"]["message"] == "the server is shutting down; the answer was cut short"
+        assert gated.runs[0]["passes"] == 1
+        r = httpx.post(url + "/v1/chat/completions", json=OK)
+        assert r.status_code == 503 and r.json()["error"]["message"] == "the server is shutting down"
+
+
 def test_metrics_move_by_exactly_what_timings_report():
     keys = {"prompt_n": "prompt_tokens_total", "cache_n": "prompt_cached_tokens_total",
             "predicted_n": "generated_tokens_total", "passes": "passes_total", "drafts": "drafts_total",
