@@ -14,55 +14,78 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 BLOCK = 256
-"""Slots a buffer starts with (and grows by at least)."""
+"""Rows a buffer starts with (and grows by at least)."""
 
 
-def _empty_like(states: torch.Tensor, slots: int) -> torch.Tensor:
-    """An uninitialised (B, H_kv, slots, D) buffer for `states`. Made outside inference mode even
-    during generation, so that a forward outside it (a probe, a test) may still write to it."""
-    with torch.inference_mode(False):
-        return torch.empty(*states.shape[:-2], slots, states.shape[-1], dtype=states.dtype, device=states.device)
+class Slots:
+    """Rows along dim -2 of a preallocated buffer: a write goes in place, cutting back moves a
+    length, and a full buffer is replaced by one twice as large (O(1) per row, amortised)."""
+
+    def __init__(self) -> None:
+        self.buffer: torch.Tensor | None = None  # (..., capacity, D)
+        self.length = 0
+
+    @property
+    def filled(self) -> torch.Tensor | None:
+        """(..., length, D): a view of the rows written so far."""
+        return None if self.buffer is None else self.buffer[..., : self.length, :]
+
+    def write(self, start: int, rows: torch.Tensor) -> None:
+        """rows (..., n, D) into slots start .. start + n - 1; whatever came after them is dropped."""
+        end = start + rows.shape[-2]
+        if self.buffer is None or end > self.buffer.shape[-2]:
+            self._grow(rows, end)
+        self.buffer[..., start:end, :] = rows
+        self.length = end
+
+    def cut(self, length: int) -> None:
+        self.length = min(self.length, length)
+
+    def _grow(self, like: torch.Tensor, needed: int) -> None:
+        capacity = self.buffer.shape[-2] if self.buffer is not None else 0
+        capacity = max(needed, 2 * capacity, capacity + BLOCK)
+        # made outside inference mode even during generation, so that a forward outside it (a
+        # probe, a test) may still write to it
+        with torch.inference_mode(False):
+            new = torch.empty(*like.shape[:-2], capacity, like.shape[-1], dtype=like.dtype, device=like.device)
+        if self.buffer is not None:
+            new[..., : self.length, :] = self.buffer[..., : self.length, :]
+        self.buffer = new
 
 
 class SlotLayer(DynamicLayer):
-    """One layer's keys and values in a preallocated buffer (a DynamicLayer whose `keys` and
-    `values` are views of the first `length` slots)."""
+    """One layer's keys and values, each in `Slots` (a DynamicLayer whose `keys` and `values` are
+    views of the filled slots)."""
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device = key_states.device
-        self.key_buffer = _empty_like(key_states, 0)  # (B, H_kv, 0, D)
-        self.value_buffer = _empty_like(value_states, 0)
+        self.key_slots, self.value_slots = Slots(), Slots()
+        self.key_slots.write(0, key_states[..., :0, :])  # allocates: (B, H_kv, BLOCK, D)
+        self.value_slots.write(0, value_states[..., :0, :])
         self.is_initialized = True
-        self.set_length(0)
+        self._show()
 
     @property
-    def capacity(self) -> int:
-        return self.key_buffer.shape[-2]
+    def length(self) -> int:
+        return self.key_slots.length
+
+    def _show(self) -> None:
+        self.keys, self.values = self.key_slots.filled, self.value_slots.filled  # (B, H_kv, length, D) views
 
     def set_length(self, length: int) -> None:
         """Keep the first `length` slots (rollback: the rest is overwritten later)."""
-        self.length = length
-        self.keys = self.key_buffer[..., :length, :]  # (B, H_kv, length, D), a view
-        self.values = self.value_buffer[..., :length, :]
-
-    def _grow(self, needed: int) -> None:
-        capacity = max(needed, 2 * self.capacity, self.capacity + BLOCK)
-        for name in ("key_buffer", "value_buffer"):
-            old = getattr(self, name)
-            new = _empty_like(old, capacity)  # (B, H_kv, capacity, D)
-            new[..., : self.length, :] = old[..., : self.length, :]
-            setattr(self, name, new)
+        self.key_slots.cut(length)
+        self.value_slots.cut(length)
+        self._show()
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         """key/value_states (B, H_kv, T, D) -> all keys/values so far, (B, H_kv, length + T, D) views."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        end = self.length + key_states.shape[-2]
-        if end > self.capacity:
-            self._grow(end)
-        self.key_buffer[..., self.length : end, :] = key_states
-        self.value_buffer[..., self.length : end, :] = value_states
-        self.set_length(end)
+        start = self.length
+        self.key_slots.write(start, key_states)
+        self.value_slots.write(start, value_states)
+        self._show()
         return self.keys, self.values
 
     def crop(self, tokens_to_remove: int) -> None:
@@ -72,10 +95,9 @@ class SlotLayer(DynamicLayer):
 
     def keep(self, index: torch.Tensor, start: int) -> None:
         """Move the slots `index` (ascending, >= start) down to start, start + 1, ... and drop the rest."""
-        n = index.shape[0]
-        self.key_buffer[..., start : start + n, :] = self.key_buffer.index_select(-2, index)  # (B, H_kv, n, D)
-        self.value_buffer[..., start : start + n, :] = self.value_buffer.index_select(-2, index)
-        self.set_length(start + n)
+        for slots in (self.key_slots, self.value_slots):
+            slots.write(start, slots.buffer.index_select(-2, index))  # gathered first: overlapping slots are safe
+        self._show()
 
 
 class KVCache:

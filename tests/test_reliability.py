@@ -241,7 +241,7 @@ def test_cache_buffers_are_written_in_place_and_grow_rarely():
             model(input_ids=torch.tensor([[1, 2, 3]]), position_ids=torch.arange(past, past + 3)[None], cache=kv.cache, use_cache=True)
             kv.keep(past, [0, 2])  # a tree pass that kept the root and its second node
             layer = kv.cache.layers[0]
-            assert layer.keys.data_ptr() == layer.key_buffer.data_ptr()  # the model sees a view, not a copy
-            buffers.add(layer.key_buffer.data_ptr())
+            assert layer.keys.data_ptr() == layer.key_slots.buffer.data_ptr()  # the model sees a view, not a copy
+            buffers.add(layer.key_slots.buffer.data_ptr())
     assert len(kv) == 10 + 2 * 300
     assert len(buffers) <= 3  # 610 slots: 256 -> 512 -> 1024

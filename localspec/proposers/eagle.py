@@ -23,7 +23,7 @@ import torch
 
 from localspec.config import SamplingConfig
 from localspec.costs import CostModel
-from localspec.kv import SlotLayer
+from localspec.kv import SlotLayer, Slots
 from localspec.proposers.base import Proposer
 from localspec.proposers.draft_model import common_prefix
 from localspec.proposers.eagle_head import EagleHead
@@ -80,7 +80,7 @@ class EagleProposer(Proposer):
         self.costs = costs
         self.top_k, self.fixed_nodes, self.fixed_depth, self.max_depth = top_k, nodes, depth, max_depth
         self.device = head.fc.weight.device
-        self.features = torch.empty(0, head.cfg.feature_width, device=self.device)  # (S, F): one per committed cache entry
+        self.features = Slots()  # (S, F): one per committed cache entry of the target
         self.step_seconds = 0.0  # measured head step (one tree level), a running average
         self.calibration = 1.0  # accepted tokens / predicted (sum of node probabilities), a running ratio
         self._last_predicted: float | None = None
@@ -102,7 +102,7 @@ class EagleProposer(Proposer):
         new = self.tap.take().to(self.device, self.head.dtype)  # (T, F)
         if kept is not None:
             new = new[torch.tensor(kept, device=self.device)]
-        self.features = torch.cat([self.features[:start], new])
+        self.features.write(start, new)
 
     def judged(self, accepted: int) -> None:
         """Learn how well the head's scores predict what the target accepts."""
@@ -119,7 +119,7 @@ class EagleProposer(Proposer):
         keep = max(min(common_prefix(self.cached, tokens) - 1, n - 2), 0)
         if self.cache.is_initialized:
             self.cache.set_length(keep)  # later slots are overwritten
-        hidden = self.features[keep : n - 1][None]  # (1, T, F)
+        hidden = self.features.filled[keep : n - 1][None]  # (1, T, F)
         ids = torch.tensor([tokens[keep + 1 : n]], device=self.device)  # (1, T)
         positions = torch.arange(keep, n - 1, device=self.device)[None]  # (1, T)
         out, k, v = self.head(hidden, ids, positions, self.cache.keys, self.cache.values)
@@ -162,8 +162,8 @@ class EagleProposer(Proposer):
     ) -> Draft:
         # The engine's cache holds tokens[:-1]; a new prompt that shares a prefix with the last
         # conversation only truncates it (no pass), so features past that prefix are stale.
-        self.features = self.features[: len(tokens) - 1]
-        if max_len <= 0 or len(self.features) != len(tokens) - 1 or len(tokens) < 2:
+        self.features.cut(len(tokens) - 1)
+        if max_len <= 0 or self.features.length != len(tokens) - 1 or len(tokens) < 2:
             return Draft.chain([])
         last = self._catch_up(tokens)  # (1, h)
         stable = self.cache.length
