@@ -123,5 +123,8 @@ class KVCache:
             self.truncate(start + len(offsets))
             return
         index = torch.tensor([start + o for o in offsets], dtype=torch.long)
+        on_device: dict[torch.device, torch.Tensor] = {}  # one copy per device, not per layer
         for layer in self.cache.layers:
-            layer.keep(index.to(layer.device), start)
+            if layer.device not in on_device:
+                on_device[layer.device] = index.to(layer.device)
+            layer.keep(on_device[layer.device], start)
