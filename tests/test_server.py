@@ -320,6 +320,21 @@ def test_a_client_that_disconnects_frees_the_server_within_one_pass():
     assert 'localspec_generations_total{finish="cancelled"} 1' in text
 
 
+def test_a_client_that_gives_up_on_a_whole_answer_stops_it_too():
+    gated = Gated(tiny_engine())
+    app = create_app(lambda: Served("tiny", gated))
+    with http_server(app) as url:
+        gated.held = True
+        with pytest.raises(httpx.ReadTimeout):  # the client stops waiting and closes the connection
+            httpx.post(url + "/v1/chat/completions", json={**OK, "max_tokens": 200}, timeout=0.5)
+        wait_for(lambda: not app.state.service.lock.locked())
+        gated.held = False
+        gated.go.release()
+        wait_for(lambda: all(run["end"] is not None for run in gated.runs))
+        assert sum(run["passes"] for run in gated.runs) <= 1  # at most the pass it was waiting for
+        assert httpx.post(url + "/v1/chat/completions", json=OK).json()["choices"][0]["message"]["content"] == expected(HELLO, 24)
+
+
 def test_shutdown_cuts_the_answer_in_progress_short_and_says_why():
     gated = Gated(tiny_engine())
     app = create_app(lambda: Served("tiny", gated))
