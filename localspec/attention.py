@@ -18,17 +18,26 @@ tried, and even products laid out so that rows are independent agree only when t
 the same, which a one-token step at an earlier position never has. So rows stay separate products
 of the one-token step's shape; what they must not do is read anything back from the device: which
 keys each row sees is planned on the host from the draft's shape (`RowPlan`), once per pass, and
-the loop over rows only launches work.
+the loop over rows only launches work. On an x86 CPU with AVX-512 a compiled kernel
+(`localspec_kernels.cpu_attention`) computes every row of a pass in one call per layer, each row
+alone and in the same way whatever the other rows are, reading keys and values in place; the
+torch loop is its reference and the path elsewhere.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from localspec.config import home_dir
+from localspec_kernels import cpu_attention
+from localspec_kernels.cpu_attention import AttentionKernel, VisibleRows
+from localspec_kernels.cpu_build import KernelUnavailable
 
 NAME = "localspec_exact"
 ROW_BY_ROW_UP_TO = 128
@@ -70,6 +79,30 @@ class RowPlan:
         return cls.from_rows(0, rows, mask.device)
 
 
+    @functools.cached_property
+    def visible_rows(self) -> VisibleRows:
+        """The same plan for the CPU kernel (host lists), made once per pass, not per layer."""
+        flat = self.slots.tolist() if self.slots is not None else []
+        prefixes = [self.past + n if prefix else self.past for _, n, prefix in self.spans]
+        extras = [[] if prefix else flat[start : start + n] for start, n, prefix in self.spans]
+        return VisibleRows(prefixes, extras)
+
+
+@functools.cache
+def _cpu_kernel() -> AttentionKernel | None:
+    """The compiled row attention (one call per layer for every row), or None where it cannot be
+    built or run: the torch loop below computes the same rows then."""
+    try:
+        return cpu_attention.load(home_dir() / "kernels")
+    except KernelUnavailable:
+        return None
+
+
+@functools.lru_cache(maxsize=4)
+def _causal_rows(t: int, s: int) -> VisibleRows:
+    return VisibleRows.causal(t, s)
+
+
 def exact_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, row_plan=None, **kwargs):
     """query (B, H, T, D), key/value (B, Hkv, S, D), attention_mask (B, 1, T, S) or None (causal),
     row_plan: the tree pass's `RowPlan` (else read from the mask) -> output (B, T, H, D), no weights."""
@@ -79,10 +112,14 @@ def exact_attention(module, query, key, value, attention_mask, dropout=0.0, scal
     s = key.shape[2]
     if row_plan is None and attention_mask is not None:
         row_plan = RowPlan.from_mask(attention_mask[0, 0])
+    scale = scaling if scaling is not None else d**-0.5
+    kernel = _cpu_kernel() if query.device.type == "cpu" and query.dtype == key.dtype == value.dtype == torch.float32 else None
+    if kernel is not None and key.stride(2) == d and value.stride(2) == d and key.stride(3) == value.stride(3) == 1:
+        rows = _causal_rows(t, s) if row_plan is None else row_plan.visible_rows
+        return kernel(query, key, value, rows, scale), None  # (1, T, H, D)
     groups = heads // key.shape[1]
     keys = key.float().repeat_interleave(groups, dim=1)  # (1, H, S, D)
     values = value.float().repeat_interleave(groups, dim=1)
-    scale = scaling if scaling is not None else d**-0.5
     rows = []
     for i in range(t):
         if row_plan is None:  # causal: the past and the new tokens up to this one

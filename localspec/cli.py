@@ -20,8 +20,9 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-len", type=int, default=None, help="fixed draft length (default: adaptive, from measured costs)")
     p.add_argument("--max-draft-len", type=int, default=15, help="upper bound for the adaptive draft length")
     p.add_argument("--quant", default="auto", metavar="|".join(QUANTS),
-                   help="target weights (auto: w8a8 on a CPU that multiplies int8 exactly, else 4-bit when the "
-                   "published model is 4-bit, else only to fit memory); "
+                   help="target weights (auto on a CPU: w4a8, localspec's 4-bit x int8 kernel, when the published "
+                   "model is 4-bit; else w8a8 where int8 multiplies exactly; else 4-bit for a 4-bit model; else "
+                   "only to fit memory); "
                    "bench takes a comma list to compare them side by side")
     p.add_argument("--draft-quant", default="auto", choices=DRAFT_QUANTS, help="draft weights (auto: the fastest measured step)")
     p.add_argument("--tree-top-k", type=int, default=8, help="EAGLE: children per expanded node")

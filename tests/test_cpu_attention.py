@@ -76,3 +76,29 @@ def test_wrong_layouts_are_refused():
         KERNEL(query.double(), key, value, cpu_attention.VisibleRows.causal(1, 8), 0.25)
     with pytest.raises(ValueError, match="contiguous rows"):
         KERNEL(query, torch.randn(1, 2, 8, 32)[..., :16], value, cpu_attention.VisibleRows.causal(1, 8), 0.25)
+
+
+def test_a_model_with_the_kernel_and_with_the_torch_loop_agree_and_each_keeps_greedy_identity(monkeypatch):
+    from conftest import PROMPT_IDS, hf_greedy, tiny_model
+    from localspec import attention
+    from localspec.config import GenerationLimits, SpecConfig
+    from localspec.engine import Engine
+    from localspec.proposers import NgramProposer
+
+    model = tiny_model("qwen2", hidden=64)
+    attention.use_exact_attention(model)
+    ids = torch.tensor([PROMPT_IDS])
+    with torch.no_grad():
+        with_kernel = model(ids).logits
+    expected = hf_greedy(model, PROMPT_IDS, 24)
+    runs = {}
+    for path in ("kernel", "torch"):
+        if path == "torch":
+            monkeypatch.setattr(attention, "_cpu_kernel", lambda: None)
+        engine = Engine(model, None, NgramProposer(), SpecConfig(draft_len=4))
+        runs[path] = [p.token_id for ev in engine.generate(PROMPT_IDS, limits=GenerationLimits(24)) for p in ev.pieces]
+    with torch.no_grad():
+        with_torch = model(ids).logits
+    assert (with_kernel - with_torch).abs().max() <= 1e-4 * with_torch.abs().max()
+    assert runs["kernel"] == expected
+    assert runs["torch"] == hf_greedy(model, PROMPT_IDS, 24)  # the reference path is exact on its own terms
