@@ -154,10 +154,13 @@ def _calibration_file():
 
 
 def load_calibrations() -> dict:
+    """What was measured here; {} when there is no file or it is not a JSON object (damaged or
+    edited: measuring again is the cure, and the next save replaces it)."""
     try:
-        return json.loads(_calibration_file().read_text())
+        data = json.loads(_calibration_file().read_text())
     except (OSError, ValueError):
         return {}
+    return data if isinstance(data, dict) else {}
 
 
 def save_calibration(key: str, value: dict) -> None:

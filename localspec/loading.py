@@ -468,7 +468,7 @@ def _load_quant_cache(entry: ModelEntry, path: Path, progress: bool, run_as: str
     if not (path / _COMPLETE).is_file():
         return None
     from safetensors.torch import load_file
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
     try:
         layout = json.loads((path / _QUANT_LAYOUT).read_text(encoding="utf-8"))
@@ -487,7 +487,7 @@ def _load_quant_cache(entry: ModelEntry, path: Path, progress: bool, run_as: str
             quantization.prepare_for_cpu(model, path / _cpu_layout_name())
         if (path / "generation_config.json").is_file():
             model.generation_config = GenerationConfig.from_pretrained(path)
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        tokenizer = saved_tokenizer(path)
         return model, tokenizer
     except LocalspecError:  # the kernel cannot run here: the files are fine
         raise
@@ -556,11 +556,30 @@ def _load_snapshot(entry: ModelEntry, path: Path, dtype: torch.dtype):
         ) from exc
 
 
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
+_tokenizers: dict[str, "PreTrainedTokenizerBase"] = {}
+
+
+def saved_tokenizer(path: Path) -> "PreTrainedTokenizerBase":
+    """The tokenizer saved in `path`; one already built from byte-identical files is reused (a
+    draft shares its target's tokenizer: building it parses an 11 MB tokenizer.json, ~1 s)."""
+    from transformers import AutoTokenizer
+
+    digest = hashlib.sha256()
+    for name in _TOKENIZER_FILES:
+        file = path / name
+        digest.update(name.encode() + b"\0" + (file.read_bytes() if file.is_file() else b"-") + b"\0")
+    key = digest.hexdigest()
+    if key not in _tokenizers:
+        _tokenizers[key] = AutoTokenizer.from_pretrained(path)
+    return _tokenizers[key]
+
+
 def _from_pretrained(entry: ModelEntry, path: Path, dtype: torch.dtype):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        tokenizer = saved_tokenizer(path)
         model, info = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, output_loading_info=True)
     except Exception as exc:
         # Running out of memory says nothing about the files: the caller must not discard them.

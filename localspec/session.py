@@ -95,6 +95,12 @@ def _best_rate(costs: CostModel, proposer: str, max_len: int) -> float:
     return max(costs.expected_rate(ASSUMED_ACCEPTANCE, g) for g in range(max_len + 1))
 
 
+def draft_pays(costs: CostModel, max_len: int) -> bool:
+    """Whether a draft model, at its measured step cost, beats plain decoding at the assumed
+    acceptance: a target made fast (the w4a8 kernel) can leave a draft too dear to be worth it."""
+    return _best_rate(costs, "draft", max_len) > _best_rate(costs, "none", max_len)
+
+
 def choose_dtype(
     entry: ModelEntry, draft_entry: ModelEntry | None, proposer: str, spec: SpecConfig, device: torch.device, quiet: bool
 ) -> tuple[torch.dtype, str]:
@@ -171,8 +177,9 @@ def choose_quant(entry: ModelEntry, wanted: str, device: torch.device) -> tuple[
     """The target's weight format and why: as asked; else, when the published weights are 4-bit
     anyway (re-packing Q4 GGUF in groups of 32 keeps them), w4a8 on a CPU that builds its kernel,
     since it reads 5 bits per weight and its verify passes stay cheap as they widen; else w8a8 on
-    a CPU that multiplies int8 exactly (VNNI/AMX) when it fits; else 4-bit for a 4-bit source;
-    else the least quantization that fits in memory."""
+    a CPU that multiplies int8 exactly (VNNI/AMX) when it fits; else 4-bit for a 4-bit source on a
+    CPU; else the least quantization that fits in memory (on MPS 16-bit where it fits: int4 runs
+    its de-quantizing reference there)."""
     if wanted != "auto":
         return wanted, f"--quant {wanted}"
     free = torch.cuda.mem_get_info()[0] if device.type == "cuda" else psutil.virtual_memory().available
@@ -180,16 +187,19 @@ def choose_quant(entry: ModelEntry, wanted: str, device: torch.device) -> tuple[
     four_bit = any(tag in source for tag in ("q4_", "q4.", "-q4", "iq4"))
     if device.type == "cpu" and four_bit and (kernel := _w4a8_kernel_name()):
         return "w4a8", (f"the published weights are 4-bit, and localspec's {kernel} kernel multiplies them with "
-                        "int8 activations: 5 bits read per weight, and a 16-token verify pass costs little more "
-                        "than a one-token pass")
+                        "int8 activations: 5 bits read per weight, and a verify pass of a few tokens costs about "
+                        "what one token does")
     if device.type == "cpu" and w8a8_supported() and 1.6 * entry.params * 1e9 < free:
         return "w8a8", ("this CPU multiplies int8 exactly (VNNI), so a 16-token verify pass costs about 2x "
                         "a one-token pass (int4: 5x)")
-    if four_bit and device.type != "cuda":
+    if four_bit and device.type == "cpu":
         return "int4", "the published weights are 4-bit (GGUF Q4), int4 keeps them and reads a quarter of bf16's bytes"
     bf16_bytes = 2 * entry.params * 1e9
     if bf16_bytes * 1.2 < free:
-        return "none", "16-bit weights fit in memory"
+        slow_int4 = " (int4 has no fast kernel on MPS: it would de-quantize every weight on every pass)" if device.type == "mps" else ""
+        return "none", "16-bit weights fit in memory" + slow_int4
+    if device.type == "mps":
+        return "int4", f"16-bit weights ({bf16_bytes / 1e9:.1f} GB) do not fit in {free / 1e9:.1f} GB free"
     if bf16_bytes * 0.6 < free:
         return "int8", f"16-bit weights ({bf16_bytes / 1e9:.1f} GB) do not fit in {free / 1e9:.1f} GB free"
     return ("nf4" if device.type == "cuda" else "int4"), f"even 8-bit weights do not fit in {free / 1e9:.1f} GB free"
@@ -324,6 +334,16 @@ def open_session(
             raise
         head_error = first_line(exc)
     else:
+        if requested == "auto" and proposer == "draft" and not draft_pays(engine.costs, spec.max_draft_len):
+            costs = engine.costs
+            reason = (f"the draft's measured step ({costs.draft_step_seconds * 1e3:.0f} ms) against the target's "
+                      f"one-token pass ({costs.verify(1) * 1e3:.0f} ms) cannot beat plain decoding even at "
+                      f"{ASSUMED_ACCEPTANCE:.0%} acceptance; using prompt lookup instead")
+            notice(reason, quiet)
+            del engine, draft
+            release_memory()
+            proposer, draft = "ngram", None
+            engine = make_engine(target, None, proposer, spec, reason)
         return Session(entry, target, draft, engine, proposer, reason, dtype_reason)
     # auto picked a head that cannot be loaded: choose again without it (the reason says why)
     del target, draft

@@ -416,3 +416,37 @@ def test_a_closed_stdout_ends_quietly(tmp_path):
     done = subprocess.run(f"{sys.executable} -c \"{script}\" | head -c1; echo \" ${{PIPESTATUS[0]}}\"",
                           shell=True, executable="/bin/bash", capture_output=True, text=True, timeout=120)
     assert done.stdout == "x 141\n" and done.stderr == ""
+
+
+@pytest.mark.parametrize("content", ["[]", "\"text\"", "{not json", "7"])
+def test_a_calibration_file_that_is_not_an_object_is_measured_again_not_a_crash(home, content):
+    from localspec.costs import load_calibrations, save_calibration
+
+    path = home / "calibration.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(content)
+    assert load_calibrations() == {}
+    save_calibration("key", {"1": 0.1})
+    assert load_calibrations() == {"key": {"1": 0.1}}
+
+
+def test_auto_drops_a_draft_whose_measured_step_cannot_pay_against_the_target_and_says_why(monkeypatch):
+    draft = tiny_model("qwen2", seed=1)
+
+    def load_models(entry, draft_entry, proposer, dtype, spec, quiet):
+        target = tiny_model("qwen2")
+        loaded = session_module.LoadedModel("tiny", target, None, torch.float32, torch.device("cpu"), 512, 0.0, False)
+        helper = session_module.LoadedModel("tiny-draft", draft, None, torch.float32, torch.device("cpu"), 512, 0.0, False)
+        return loaded, helper if draft_entry is not None else None, "test"
+
+    monkeypatch.setattr(session_module, "load_models", load_models)
+    monkeypatch.setattr(session_module, "choose_proposer", lambda *a, **k: ("draft", "a draft is registered", "qwen2.5-coder-0.5b"))
+    for step, kept in [(0.004, True), (0.06, False)]:  # against a 30 ms one-token pass
+        monkeypatch.setattr(session_module, "costs_for",
+                            lambda target, draft, widths=None, step=step: CostModel({1: 0.03, 16: 0.06}, step if draft else 0.0))
+        opened = session_module.open_session("qwen2.5-coder-1.5b", "auto", "float32", registry=load_registry())
+        assert (opened.proposer == "draft") == kept, step
+        if not kept:
+            assert opened.draft is None and "cannot beat plain decoding" in opened.reason and "60 ms" in opened.reason
+    explicit = session_module.open_session("qwen2.5-coder-1.5b", "draft", "float32", registry=load_registry())
+    assert explicit.proposer == "draft", "an explicit --proposer draft is kept"

@@ -148,6 +148,10 @@ def test_auto_format_prefers_w4a8_for_4bit_then_w8a8_on_a_capable_cpu_then_keeps
     for free, expected in [(64e9, "w8a8"), (6e9, "int4")]:  # int8 weights must fit, else 4-bit
         monkeypatch.setattr(session.psutil, "virtual_memory", lambda free=free: Memory(free))
         assert session.choose_quant(big, "auto", cpu)[0] == expected, free
+    mps, small_4bit = torch.device("mps"), registry.get("qwen2.5-coder-1.5b")
+    for free, expected in [(64e9, "none"), (2e9, "int4")]:  # MPS: 16-bit where it fits, its int4 is a slow reference
+        monkeypatch.setattr(session.psutil, "virtual_memory", lambda free=free: Memory(free))
+        assert session.choose_quant(small_4bit, "auto", mps)[0] == expected, free
 
 
 @pytest.mark.real_model

@@ -27,6 +27,9 @@ class Batch:
     """A copy of the engine's GenerationStats at the time of this batch."""
     tokens_per_pass: list[float] = field(default_factory=list)
     """Tokens committed by each target pass since the last batch (for the sparkline)."""
+    progress: list[tuple[float, int]] = field(default_factory=list)
+    """(decode seconds, tokens) after each engine event since the last batch: the 'now' rate is
+    measured on these, so it does not depend on how events were grouped into batches."""
     done: bool = False
     error: str = ""
     notice: str = ""
@@ -68,6 +71,7 @@ def stream_answer(
             if new_passes:
                 batch.tokens_per_pass += [new_tokens / new_passes] * new_passes
             passes, tokens = stats.passes, stats.accepted + stats.passes
+            batch.progress.append((stats.decode_seconds, stats.new_tokens))
             if stop.is_set():
                 stats.stop_reason = "stopped"
                 break

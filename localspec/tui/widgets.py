@@ -114,8 +114,10 @@ class StatsPanel(VerticalScroll):
         self.rate = RateWindow()
         self.query_one(Sparkline).data = []
 
-    def show(self, stats, tokens_per_pass: list[float]) -> None:
-        now = self.rate.add(stats.decode_seconds, stats.new_tokens)
+    def show(self, stats, tokens_per_pass: list[float], progress: list[tuple[float, int]]) -> None:
+        now = 0.0
+        for decode_seconds, tokens in progress or [(stats.decode_seconds, stats.new_tokens)]:
+            now = self.rate.add(decode_seconds, tokens)
         self.query_one("#figures", Static).update(self.figures(stats, now))
         self.query_one("#positions", Static).update(bars(stats.acceptance_by_position))
         if tokens_per_pass:
