@@ -393,7 +393,10 @@ class Engine:
         limits: GenerationLimits = GenerationLimits(),
         system: str | None = None,
     ) -> Iterator[TokenEvent]:
-        """Stream the answer; self.stats is updated after every pass and final when this ends."""
+        """Stream the answer: one TokenEvent per target pass (its pieces may be empty while a stop
+        string or an unfinished character holds text back), so a consumer (the server on a
+        disconnect, the chat's stop key) can stop between any two passes; self.stats is updated
+        after every pass and final when this ends."""
         if isinstance(prompt, str) and not prompt.strip():
             raise LocalspecError("the prompt is empty")
         tokens = list(prompt) if prompt and isinstance(prompt[0], int) else self.encode(prompt, system)
@@ -462,8 +465,7 @@ class Engine:
                 stats.ttft_seconds = now - started
             if first_at is not None:
                 stats.decode_seconds = now - first_at
-            if event.pieces:
-                yield event
+            yield event  # every pass, even one whose text is held back: a consumer can stop between any two
             if stop:
                 stats.stop_reason = stop
                 return

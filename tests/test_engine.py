@@ -216,3 +216,13 @@ def test_a_failing_proposer_falls_back_to_plain_decoding():
     engine = Engine(target, None, Broken(), SpecConfig(draft_len=3))
     assert run(engine, PROMPT, 20) == hf_greedy(target, PROMPT, 20)
     assert any("proposer failed" in n for n in engine.stats.notices)
+
+
+def test_every_target_pass_yields_an_event_even_while_text_is_held_back():
+    """A consumer (the server on a disconnect) can stop between any two passes."""
+    model, tokenizer = tiny_model("llama"), CharTokenizer()
+    engine = Engine(model, tokenizer, None)
+    stop = "".join(tokenizer.decode([t]) for t in hf_greedy(model, tokenizer.encode("abc"), 12)[3:9])  # never matches early
+    events = list(engine.generate(tokenizer.encode("abc"), limits=GenerationLimits(12, stop=(stop + "~~~",))))
+    assert len(events) == engine.stats.passes == 12
+    assert any(not e.pieces for e in events), "the stop string held some passes' text back"
