@@ -1,12 +1,13 @@
 """4-bit weights x 8-bit activations on x86 CPUs, made for the 1-16 rows of speculative decoding.
 
 Why: a one-token decode step reads every weight once, so its cost is the weights' bytes over the
-memory bandwidth, and a verify pass of 16 tokens should cost little more. 16-bit activations
+memory bandwidth, and a verify pass of several tokens should cost little more. 16-bit activations
 make each extra row pay its own multiply-adds (llama.cpp's 16-token pass costs 5.5x its one-token
 pass); oneDNN's int8 x int8 (`cpu_w8a8`) is flat but reads 8 bits per weight. This kernel reads
 5 bits per weight (4-bit codes plus fp16 scale and min per group of 32), multiplies them against
 every row of the pass with VNNI's u8 x s8 dot product (AVX2's maddubs elsewhere) while a tile of
-weights is in cache, and sums exactly in int32.
+weights is in cache, and sums exactly in int32. Measured on a 2-core AVX-512 VNNI VM: 4 rows cost
+about what 1 row does (bound by the bytes), 16 rows about 2.2x (bound by the dot products).
 
 Arithmetic, for a row x of the pass and an output feature n (groups g of 32 inputs):
     x ~ s_x * a              a = round(x / s_x) in [-127, 127], s_x = absmax(x) / 127 (per row)
