@@ -155,9 +155,9 @@ def load_tokenizer(entry: ModelEntry, *, progress: bool = True) -> "PreTrainedTo
     converted = _converted_dirs(entry)
     try:
         if snapshot is not None:
-            return AutoTokenizer.from_pretrained(snapshot)
+            return saved_tokenizer(snapshot)
         if converted:
-            return AutoTokenizer.from_pretrained(converted[0])
+            return saved_tokenizer(converted[0])
         gguf = ensure_gguf(entry, progress=progress)
         return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     except (OSError, ValueError) as exc:
@@ -556,23 +556,38 @@ def _load_snapshot(entry: ModelEntry, path: Path, dtype: torch.dtype):
         ) from exc
 
 
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
 _tokenizers: dict[str, "PreTrainedTokenizerBase"] = {}
 
 
 def saved_tokenizer(path: Path) -> "PreTrainedTokenizerBase":
     """The tokenizer saved in `path`; one already built from byte-identical files is reused (a
-    draft shares its target's tokenizer: building it parses an 11 MB tokenizer.json, ~1 s)."""
+    draft shares its target's tokenizer: building it parses an 11 MB tokenizer.json, ~1 s).
+
+    Reused only when the files say everything: a tokenizer.json, and a tokenizer_config.json that
+    names the tokenizer class (otherwise the class would come from the model's config.json).
+    """
     from transformers import AutoTokenizer
 
+    config = path / "tokenizer_config.json"
+    try:
+        complete = (path / "tokenizer.json").is_file() and "tokenizer_class" in json.loads(config.read_text(encoding="utf-8"))
+    except (OSError, ValueError, TypeError):
+        complete = False
+    if not complete:
+        return AutoTokenizer.from_pretrained(path)
     digest = hashlib.sha256()
-    for name in _TOKENIZER_FILES:
-        file = path / name
-        digest.update(name.encode() + b"\0" + (file.read_bytes() if file.is_file() else b"-") + b"\0")
+    for file in sorted(path.iterdir()):
+        if file.is_file() and (file.name.startswith("tokenizer") or file.name in _TOKENIZER_EXTRAS):
+            digest.update(file.name.encode() + b"\0" + file.read_bytes() + b"\0")
     key = digest.hexdigest()
     if key not in _tokenizers:
         _tokenizers[key] = AutoTokenizer.from_pretrained(path)
     return _tokenizers[key]
+
+
+_TOKENIZER_EXTRAS = ("special_tokens_map.json", "added_tokens.json", "chat_template.jinja", "chat_template.json",
+                     "vocab.json", "merges.txt")
+"""Files besides tokenizer.* that a saved tokenizer reads."""
 
 
 def _from_pretrained(entry: ModelEntry, path: Path, dtype: torch.dtype):

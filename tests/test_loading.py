@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from localspec.errors import LocalspecError
+from localspec import loading
 from localspec.loading import LoadedModel, _staging, ensure_gguf, load_model, pick_device
 from localspec.registry import MirrorSource, ModelEntry, load_registry
 
@@ -238,3 +239,29 @@ def test_truncated_cache_is_reconverted(tmp_path: Path, monkeypatch: pytest.Monk
     assert torch.equal(_logits(reloaded, "Hello"), reference)
     assert (weights.parent / "complete").is_file()
     assert weights.stat().st_size > 100_000_000
+
+
+def test_a_tokenizer_is_reused_only_for_identical_files_that_say_everything(tmp_path, monkeypatch):
+    import transformers
+
+    built = []
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda path: built.append(path) or object())
+    monkeypatch.setattr(loading, "_tokenizers", {})
+
+    def folder(name: str, files: dict[str, str]) -> Path:
+        path = tmp_path / name
+        path.mkdir()
+        for file, text in files.items():
+            (path / file).write_text(text)
+        return path
+
+    described = {"tokenizer.json": "{}", "tokenizer_config.json": '{"tokenizer_class": "Qwen2Tokenizer"}'}
+    target, draft = folder("target", described), folder("draft", described)
+    assert loading.saved_tokenizer(target) is loading.saved_tokenizer(draft) and built == [target]
+    other = folder("other", {**described, "chat_template.jinja": "{{ x }}"})
+    assert loading.saved_tokenizer(other) is not loading.saved_tokenizer(target)
+    # vocab.json + merges.txt without tokenizer.json, or no class named: never shared
+    vocab = {"vocab.json": "{}", "merges.txt": "", "tokenizer_config.json": "{}"}
+    first, second = folder("a", vocab), folder("b", vocab)
+    loading.saved_tokenizer(first), loading.saved_tokenizer(second)
+    assert built[-2:] == [first, second]
