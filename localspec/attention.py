@@ -35,8 +35,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from localspec.config import home_dir
-from localspec_kernels import cpu_attention
-from localspec_kernels.cpu_attention import AttentionKernel, VisibleRows
+from localspec_kernels.cpu_attention import AttentionKernel, VisibleRows, load as load_attention_kernel
 from localspec_kernels.cpu_build import KernelUnavailable
 
 NAME = "localspec_exact"
@@ -78,7 +77,6 @@ class RowPlan:
         rows = [[j for j, ok in enumerate(row) if ok] for row in allowed.tolist()]
         return cls.from_rows(0, rows, mask.device)
 
-
     @functools.cached_property
     def visible_rows(self) -> VisibleRows:
         """The same plan for the CPU kernel (host lists), made once per pass, not per layer."""
@@ -93,7 +91,7 @@ def _cpu_kernel() -> AttentionKernel | None:
     """The compiled row attention (one call per layer for every row), or None where it cannot be
     built or run: the torch loop below computes the same rows then."""
     try:
-        return cpu_attention.load(home_dir() / "kernels")
+        return load_attention_kernel(home_dir() / "kernels")
     except KernelUnavailable:
         return None
 

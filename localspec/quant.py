@@ -8,7 +8,8 @@
   pass instead of 5x, and the rest of the model runs in float32 (`localspec_kernels.cpu_w8a8`).
 - w4a8: the int4 weights (same cache) with each activation row quantized to int8, run by
   localspec's own x86 kernel (`localspec_kernels.cpu_w4a8`, AVX-512 VNNI or AVX2): 5 bits per
-  weight read once per pass, and a 16-token verify pass costs little more than a one-token pass.
+  weight read once per pass, so a pass of a few tokens costs about what one token does (16 tokens
+  about 2.2x, bound by the dot products).
 - nf4: bitsandbytes' NF4 (CUDA; it also runs on a CPU, slowly, which is how the tests load it).
 Otherwise activations stay 16-bit (bf16): the weight-only CPU kernels are only fast with them.
 

@@ -60,3 +60,22 @@ def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
     ids = torch.tensor([prompt])
     out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n, min_new_tokens=n)
     return out[0, len(prompt):].tolist()
+
+
+CODE_PROMPT = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
+
+
+def assert_speculation_reproduces_greedy(loaded, n: int = 32) -> list[int]:
+    """A real loaded model: prompt lookup and a self-draft, verified by the engine, give exactly
+    this model's own greedy tokens for CODE_PROMPT; returns the prompt ids."""
+    from localspec.config import GenerationLimits, SpecConfig
+    from localspec.engine import Engine
+    from localspec.proposers import DraftModelProposer, NgramProposer
+
+    ids = loaded.tokenizer(CODE_PROMPT, return_tensors="pt").input_ids[0].tolist()
+    expected = hf_greedy(loaded.model, ids, n)
+    for proposer in (NgramProposer(), DraftModelProposer(loaded.model)):
+        engine = Engine(loaded.model, None, proposer, SpecConfig(draft_len=6))
+        out = [p.token_id for ev in engine.generate(ids, limits=GenerationLimits(n)) for p in ev.pieces]
+        assert out == expected, proposer
+    return ids

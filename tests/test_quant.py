@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from conftest import PROMPT_IDS, hf_greedy, tiny_model
+from conftest import PROMPT_IDS, assert_speculation_reproduces_greedy, hf_greedy, tiny_model
 from localspec import quant as quantization
 from localspec.config import GenerationLimits, SpecConfig
 from localspec.engine import Engine
@@ -194,9 +194,4 @@ def test_w8a8_runs_the_int8_cache_and_speculation_reproduces_its_greedy_output()
     wait_for_packing(loaded.model)
     assert all(m._packed is not None for m in layers)
     assert all(p.dtype == torch.float32 for p in loaded.model.parameters())
-    ids = loaded.tokenizer("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n", return_tensors="pt").input_ids[0].tolist()
-    expected = hf_greedy(loaded.model, ids, 32)
-    for proposer in (NgramProposer(), DraftModelProposer(loaded.model)):
-        engine = Engine(loaded.model, None, proposer, SpecConfig(draft_len=6))
-        out = [p.token_id for ev in engine.generate(ids, limits=GenerationLimits(32)) for p in ev.pieces]
-        assert out == expected, proposer
+    assert_speculation_reproduces_greedy(loaded)

@@ -6,13 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import hf_greedy
+from conftest import assert_speculation_reproduces_greedy
 from localspec import quant as quantization
 from localspec.attention import use_exact_attention
-from localspec.config import GenerationLimits, SpecConfig
-from localspec.engine import Engine
 from localspec.errors import LocalspecError
-from localspec.proposers import DraftModelProposer, NgramProposer
 from localspec_kernels import cpu_w4a8
 from localspec_kernels.cpu_build import KernelUnavailable
 from localspec_kernels.int4_format import quantize_int4
@@ -155,12 +152,7 @@ def test_w4a8_runs_the_int4_cache_from_stored_blocks_and_speculation_reproduces_
     layers = [m for m in loaded.model.modules() if isinstance(m, cpu_w4a8.W4A8Linear)]
     assert len(layers) == 30 * 7 + 1  # every projection and the output layer
     assert all(p.dtype == torch.float32 for n, p in loaded.model.named_parameters() if "embed_tokens" not in n)
-    ids = loaded.tokenizer("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n", return_tensors="pt").input_ids[0].tolist()
-    expected = hf_greedy(loaded.model, ids, 32)
-    for proposer in (NgramProposer(), DraftModelProposer(loaded.model)):
-        engine = Engine(loaded.model, None, proposer, SpecConfig(draft_len=6))
-        out = [p.token_id for ev in engine.generate(ids, limits=GenerationLimits(32)) for p in ev.pieces]
-        assert out == expected, proposer
+    ids = assert_speculation_reproduces_greedy(loaded)
     # a warm load maps the stored blocks; a damaged file is packed again, to the same model
     with torch.no_grad():
         logits = loaded.model(torch.tensor([ids])).logits
