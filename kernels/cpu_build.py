@@ -41,19 +41,31 @@ def build(source: Path, cache_dir: Path, what: str) -> ctypes.CDLL:
         raise KernelUnavailable(f"the C++ compiler {cxx} does not run ({exc})") from None
     key = hashlib.sha256(source.read_bytes() + version.encode() + " ".join(FLAGS).encode()).hexdigest()[:16]
     library = Path(cache_dir) / f"{source.stem}-{key}.so"
-    if not library.is_file():
-        library.parent.mkdir(parents=True, exist_ok=True)
-        # a private file, then an atomic rename: two processes building at once never share a file
-        fd, partial = tempfile.mkstemp(dir=library.parent, prefix=library.name, suffix=".partial")
-        os.close(fd)
+    if library.is_file():
         try:
-            done = subprocess.run([cxx, *FLAGS, str(source), "-o", partial], capture_output=True, text=True, timeout=300)
-            if done.returncode != 0:
-                last = (done.stderr.strip().splitlines() or ["no message"])[-1]
-                raise KernelUnavailable(f"building the {what} with {cxx} failed: {last}")
-            os.replace(partial, library)
-        except (OSError, subprocess.SubprocessError) as exc:
-            raise KernelUnavailable(f"building the {what} with {cxx} failed: {exc}") from None
-        finally:
-            Path(partial).unlink(missing_ok=True)
-    return ctypes.CDLL(str(library))
+            return ctypes.CDLL(str(library))
+        except OSError:  # a damaged file in the cache (disk full while copying, edited): build it again
+            library.unlink(missing_ok=True)
+    _compile(cxx, source, library, what)
+    try:
+        return ctypes.CDLL(str(library))
+    except OSError as exc:
+        raise KernelUnavailable(f"the {what} built with {cxx} does not load ({exc})") from None
+
+
+def _compile(cxx: str, source: Path, library: Path, what: str) -> None:
+    """Compile `source` into `library` through a private temporary file and an atomic rename."""
+    library.parent.mkdir(parents=True, exist_ok=True)
+    # a private file, then an atomic rename: two processes building at once never share a file
+    fd, partial = tempfile.mkstemp(dir=library.parent, prefix=library.name, suffix=".partial")
+    os.close(fd)
+    try:
+        done = subprocess.run([cxx, *FLAGS, str(source), "-o", partial], capture_output=True, text=True, timeout=300)
+        if done.returncode != 0:
+            last = (done.stderr.strip().splitlines() or ["no message"])[-1]
+            raise KernelUnavailable(f"building the {what} with {cxx} failed: {last}")
+        os.replace(partial, library)
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise KernelUnavailable(f"building the {what} with {cxx} failed: {exc}") from None
+    finally:
+        Path(partial).unlink(missing_ok=True)

@@ -197,3 +197,15 @@ def test_linears_sharing_an_input_compute_in_one_call_exactly_what_each_computes
     assert shared[0].shared._output is not None
     shared[2](other)
     assert shared[0].shared._output is None, "no tensors held once every member has its output"
+
+
+def test_a_damaged_kernel_library_in_the_cache_is_built_again(tmp_path):
+    from localspec_kernels.cpu_build import build
+
+    first = build(cpu_w4a8.SOURCE, tmp_path / "a", "w4a8 kernel")
+    (built,) = (tmp_path / "a").glob("*.so")
+    library = tmp_path / "b" / built.name  # where the next process finds it: damaged (a full disk, an edit)
+    library.parent.mkdir()
+    library.write_bytes(b"not a shared library")
+    assert build(cpu_w4a8.SOURCE, tmp_path / "b", "w4a8 kernel").w4a8_isa() == first.w4a8_isa()
+    assert library.read_bytes()[:4] == b"\x7fELF"
