@@ -20,12 +20,14 @@ from pathlib import Path
 
 import torch
 
-from localspec.config import GenerationLimits, SamplingConfig, SpecConfig, has_eagle_head
+from localspec import proposer_catalog
+from localspec.config import GenerationLimits, SamplingConfig, SpecConfig
 from localspec.costs import CALIBRATION_PREFIX, time_forward
 from localspec.errors import LocalspecError
 from localspec.llamacpp import LlamaCpp, measured_run, ratios
 from localspec.loading import ensure_gguf, load_tokenizer
-from localspec.registry import choose_proposer, load_registry
+from localspec.proposer_catalog import choose_proposer
+from localspec.registry import load_registry
 from localspec.session import describe_weights, draft_entry_for, load_models, make_engine
 
 HF_MODES = ("hf-plain", "hf-assisted", "hf-prompt-lookup")
@@ -116,15 +118,12 @@ def run_bench(args, spec: SpecConfig) -> int:
         raise LocalspecError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
     wanted = [p.strip() for p in args.proposers.split(",") if p.strip()]
     for name in wanted:
-        if name not in ("none", "ngram", "draft", "eagle"):
-            raise LocalspecError(f"--proposers: unknown proposer {name!r} (none, ngram, draft, eagle)")
-    if "eagle" in wanted and not has_eagle_head(entry.name):
-        print(f"localspec: no EAGLE head for {entry.name} here (localspec train-eagle --target {entry.name}); "
-              "skipping the eagle proposer", file=sys.stderr)
-        wanted.remove("eagle")
-    if "draft" in wanted and not entry.drafts:
-        print(f"localspec: {entry.name} has no registered draft; skipping the draft proposer", file=sys.stderr)
-        wanted.remove("draft")
+        if name not in proposer_catalog.KINDS:
+            raise LocalspecError(f"--proposers: unknown proposer {name!r} ({', '.join(proposer_catalog.KINDS)})")
+    for name in list(wanted):
+        if why_not := proposer_catalog.unavailable(name, entry):
+            print(f"localspec: {why_not}; skipping the {name} proposer", file=sys.stderr)
+            wanted.remove(name)
     if "none" not in wanted:
         wanted.insert(0, "none")  # the baseline every speedup is measured against
     quants = [q.strip() for q in spec.quant.split(",") if q.strip()] or ["auto"]
@@ -167,7 +166,7 @@ def bench_weights(args, entry, registry, prompts, wanted, spec: SpecConfig, labe
     """Every mode on one weight format; results keyed by mode + label, and how the weights ran.
     With `long_prompt` (--llama-cpp) also the figures set beside llama.cpp's: fresh pass costs and
     the time to first token on that prompt."""
-    draft_entry = draft_entry_for(registry, entry) if "draft" in wanted else None
+    draft_entry = draft_entry_for(registry, entry) if any(proposer_catalog.KINDS[n].draft_model for n in wanted) else None
     dtype_for = "draft" if draft_entry else "ngram"
     target, draft, dtype_reason = load_models(entry, draft_entry, dtype_for, args.dtype, spec, quiet=False)
     print(f"localspec: bench {entry.name}, {describe_weights(target)} ({dtype_reason}), "

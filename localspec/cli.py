@@ -1,6 +1,8 @@
-"""Command line: `localspec run`, `localspec bench`, `localspec models`.
+"""Command line: `localspec run / bench / models / chat / pull / rm / pair / train-eagle / serve`.
 
 Errors the user can act on print one line (`localspec: error: ...`) and exit 2, never a traceback.
+Each command imports what loads torch (sessions, downloads, the UI) only when it runs, so that
+`--help` and a mistyped option answer at once.
 """
 
 from __future__ import annotations
@@ -9,14 +11,21 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 
-from localspec.config import DRAFT_QUANTS, DTYPES, PROPOSERS, QUANTS, GenerationLimits, SamplingConfig, SpecConfig
+from localspec import proposer_catalog
+from localspec.config import DRAFT_QUANTS, DTYPES, QUANTS, GenerationLimits, SamplingConfig, SpecConfig, eagle_head_dir
 from localspec.errors import LocalspecError
+from localspec.proposer_catalog import pair_key
+from localspec.registry import load_registry
+
+PROPOSER_HELP = "; ".join(f"{kind.name}: {kind.about}" for kind in proposer_catalog.KINDS.values())
 
 
 def _add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="registry name (default: the registry's default model)")
-    p.add_argument("--dtype", default="auto", choices=DTYPES, help="compute dtype (auto: measured on this machine)")
+    p.add_argument("--dtype", default="auto", choices=DTYPES, help="compute dtype (auto: measured on this machine); an explicit one also keeps float weights "
+                   "under --quant auto, quantized only if they do not fit in memory")
     p.add_argument("--draft-len", type=int, default=None, help="fixed draft length (default: adaptive, from measured costs)")
     p.add_argument("--max-draft-len", type=int, default=15, help="upper bound for the adaptive draft length")
     p.add_argument("--quant", default="auto", metavar="|".join(QUANTS),
@@ -49,7 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="answer one prompt, streaming to stdout")
     run.add_argument("prompt", help="the prompt, or - to read it from stdin")
     _add_model_options(run)
-    run.add_argument("--proposer", default="auto", choices=PROPOSERS)
+    run.add_argument("--proposer", default="auto", choices=proposer_catalog.CHOICES,
+                     help=f"who guesses the next tokens (auto: the fastest that can run here); {PROPOSER_HELP}")
     _add_sampling_options(run)
     run.add_argument("--system", default=None, help="system prompt")
     run.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
@@ -58,7 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="compare proposers and transformers' generate on a prompt set")
     _add_model_options(bench)
-    bench.add_argument("--proposers", default="none,ngram,draft,eagle", help="comma-separated proposers to run (eagle: when a head was trained here)")
+    bench.add_argument("--proposers", default=",".join(reversed(proposer_catalog.KINDS)),
+                       help="comma-separated proposers to run (those that cannot run for the model are skipped)")
     bench.add_argument("--prompts", default=None, help="JSON file: a list of {name, prompt} objects")
     bench.add_argument("--max-new-tokens", type=int, default=128)
     bench.add_argument("--no-hf", action="store_true", help="skip transformers' own generate modes")
@@ -102,14 +113,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     chat = sub.add_parser("chat", help="terminal chat with live speculation statistics (also: bare `localspec`)")
     _add_model_options(chat)
-    chat.add_argument("--proposer", default="auto", choices=PROPOSERS)
+    chat.add_argument("--proposer", default="auto", choices=proposer_catalog.CHOICES)
     _add_sampling_options(chat)
     chat.add_argument("--system", default="", help="system prompt")
     chat.add_argument("--fake-engine", action="store_true", help=argparse.SUPPRESS)  # scripted answers, for tests
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server for editors, agents and web UIs")
     _add_model_options(serve)
-    serve.add_argument("--proposer", default="auto", choices=PROPOSERS)
+    serve.add_argument("--proposer", default="auto", choices=proposer_catalog.CHOICES)
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: this machine only)")
     serve.add_argument("--port", type=int, default=8080)
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (default: $LOCALSPEC_API_KEY)")
@@ -150,7 +161,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if not prompt.strip():
         raise LocalspecError("the prompt is empty")
 
-    from localspec.pairing import record_generation  # heavy imports only after the options are valid
+    from localspec.measurements import record_generation
     from localspec.session import describe_weights, open_session
 
     session = open_session(args.model, args.proposer, args.dtype, spec, quiet=args.quiet or args.json)
@@ -193,7 +204,6 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def cmd_models(args: argparse.Namespace) -> int:
     from localspec import hub, loading
-    from localspec.registry import load_registry, pair_key
 
     registry = load_registry()
     print(f"{'name':20} {'arch':6} {'params':>7} {'download':>9} {'on disk':>15}  about")
@@ -216,7 +226,6 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 def cmd_pull(args: argparse.Namespace) -> int:
     from localspec.hub import pull
-    from localspec.registry import load_registry
 
     pulled = pull(load_registry().get(args.name), offline=args.offline)
     via = f" ({pulled.note})" if pulled.note else ""
@@ -226,7 +235,6 @@ def cmd_pull(args: argparse.Namespace) -> int:
 
 def cmd_rm(args: argparse.Namespace) -> int:
     from localspec.hub import rm
-    from localspec.registry import load_registry
 
     freed = rm(load_registry().get(args.name))
     print(f"{args.name}: removed, {freed / 1e9:.2f} GB freed")
@@ -250,10 +258,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_train_eagle(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    from localspec.config import eagle_head_dir
-    from localspec.registry import load_registry
     from localspec.session import load_models
     from localspec.train_eagle import TrainSettings, train_eagle
 

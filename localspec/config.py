@@ -11,7 +11,6 @@ from pathlib import Path
 
 from localspec.errors import LocalspecError
 
-PROPOSERS = ("auto", "eagle", "ngram", "draft", "none")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTS = ("auto", "none", "int8", "int4", "w8a8", "w4a8", "nf4")
 DRAFT_QUANTS = ("auto", "none", "int8", "int4", "w8a8", "w4a8")
@@ -48,7 +47,8 @@ class SamplingConfig:
 @dataclass(frozen=True)
 class SpecConfig:
     proposer: str = "auto"
-    """auto | eagle | ngram | draft | none."""
+    """auto, or a name in localspec.proposer_catalog (checked there when a session resolves it: that
+    table sits above this module)."""
     draft_len: int | None = None
     """Fixed number of drafted tokens per pass; None lets the measured cost model choose each pass."""
     max_draft_len: int = 15
@@ -76,8 +76,6 @@ class SpecConfig:
     published model 4-bit, else quantizes only to fit memory."""
 
     def __post_init__(self) -> None:
-        if self.proposer not in PROPOSERS:
-            raise LocalspecError(f"--proposer must be one of {', '.join(PROPOSERS)}, got {self.proposer!r}")
         if self.draft_len is not None and not (0 <= self.draft_len <= 64):
             raise LocalspecError(f"--draft-len must be between 0 and 64, got {self.draft_len}")
         if not (1 <= self.max_draft_len <= 64):

@@ -2,20 +2,18 @@
 
 On a CPU a verify pass of several tokens is not free (fp32) or nearly free (bf16 with AMX); on a
 GPU it is nearly free up to tens of tokens. So nothing here is a constant: a short calibration
-times real forward passes on this machine (cached per model, dtype, device and thread count), and
+times real forward passes on this machine (`time_forward`; measurements.py keeps what it measured), and
 each pass picks the draft length with the best expected tokens per second for the acceptance seen
 so far.
 """
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, field
 
 import torch
 
-from localspec.config import home_dir
 from localspec.kv import KVCache
 from localspec_kernels.cpu_w8a8 import wait_for_packing
 
@@ -132,72 +130,6 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
     elif device.type == "mps":
         torch.mps.synchronize()
-
-
-def calibration_key(name: str, model: torch.nn.Module) -> str:
-    """What decides a pass's cost: model, attention path, weight format (dtype and any fast-path or
-    quantized layers: prepacked, int8, bitsandbytes), device, threads, torch."""
-    param = next(model.parameters())
-    fast_paths = sorted({type(m).__name__ for m in model.modules()
-                         if type(m).__module__.startswith(("localspec_kernels", "bitsandbytes"))})
-    variant = f"|{'+'.join(fast_paths)}" if fast_paths else ""
-    attention = getattr(model.config, "_attn_implementation", None) or "default"
-    device = param.device.type
-    if device == "cuda":
-        device += f"={torch.cuda.get_device_name(param.device)}"
-    return (f"{name}{variant}|{param.dtype}|attention={attention}|{device}|threads={torch.get_num_threads()}"
-            f"|torch={torch.__version__}")
-
-
-def _calibration_file():
-    return home_dir() / "calibration.json"
-
-
-def load_calibrations() -> dict:
-    """What was measured here; {} when there is no file or it is not a JSON object (damaged or
-    edited: measuring again is the cure, and the next save replaces it)."""
-    try:
-        data = json.loads(_calibration_file().read_text())
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
-def save_calibration(key: str, value: dict) -> None:
-    """Atomic write, so a crash never leaves a half-written file that would be thrown away."""
-    from localspec.files import locked, write_text_atomic
-
-    path = _calibration_file()
-    try:
-        with locked(path):  # another process's measurement, saved meanwhile, is kept
-            data = load_calibrations()
-            data = data if isinstance(data, dict) else {}  # a damaged file is replaced, not added to
-            data[key] = value
-            write_text_atomic(path, json.dumps(data, indent=1))
-    except OSError:
-        pass  # a calibration that cannot be saved is measured again next time
-
-
-def measured_curves(name: str, model: torch.nn.Module, widths: tuple[int, ...] = WIDTHS,
-                    contexts: tuple[int, ...] = CONTEXTS) -> dict[int, dict[int, float]]:
-    """Calibrated pass costs of a model as it runs, per context length and width (cached on disk
-    after the first measurement)."""
-    key = calibration_key(name, model)
-    cached = load_calibrations().get(key) or {}
-    curves = {}
-    for context in contexts:
-        known = cached.get(f"context={context}", {})
-        if not all(str(w) in known for w in widths):
-            known = {str(w): s for w, s in time_forward(model, widths, context=context).items()}
-            cached[f"context={context}"] = known
-            save_calibration(key, cached)
-        curves[context] = {w: known[str(w)] for w in widths}
-    return curves
-
-
-def measured_costs(name: str, model: torch.nn.Module, widths: tuple[int, ...] = WIDTHS) -> dict[int, float]:
-    """Calibrated pass costs after the shortest calibration context (a draft step, a dtype choice)."""
-    return measured_curves(name, model, widths, CONTEXTS[:1])[CONTEXTS[0]]
 
 
 def cost_model(curves: dict[int, dict[int, float]], draft_step_seconds: float = 0.0) -> CostModel:

@@ -1,4 +1,4 @@
-"""models.toml -> typed entries, and the automatic proposer choice.
+"""models.toml -> typed entries.
 
 The registry is data only (no torch): the CLI can list models and reject an unknown name before
 anything heavy is imported. The shipped models.toml is overlaid by the user's own
@@ -12,9 +12,8 @@ import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
 
-from localspec.config import eagle_head_dir, has_eagle_head, home_dir
+from localspec.config import home_dir
 from localspec.errors import LocalspecError
 from localspec.files import check_name
 
@@ -33,14 +32,10 @@ _MIRROR_KEYS = {"file", "package", "version", "member", "parts", "size", "sha256
 _HEAD_KEYS = {"repo", "revision", "target_revision", "files"}
 _PAIRED_KEYS = {"proposer", "draft", "draft_len", "tokens_per_second", "speedup", "measured"}
 
-IMPLEMENTED_PROPOSERS = ("eagle", "draft", "ngram", "none")
-"""What the engine can run; `auto` never picks anything else (EAGLE heads are registered, not run)."""
 KV_BUDGET_TOKENS = 4096
 """Context assumed when checking that a target and its draft fit in memory together."""
 BYTES_PER_VALUE = 2
 """bf16/fp16 weights and cache: what a GPU runs, and the smaller of the two CPU choices."""
-MIN_HISTORY_TOKENS = 200
-"""Fewer generated tokens than this say too little about a pair's speed to overrule the order."""
 
 
 @dataclass(frozen=True)
@@ -262,6 +257,12 @@ def _entry(name: str, raw: dict, where: str) -> ModelEntry:
     )
 
 
+def fitting_targets(registry: Registry, memory: int) -> list[ModelEntry]:
+    """Models that fit in `memory` with a KV cache, largest first."""
+    fits = [e for e in registry.models.values() if e.memory_needed() <= memory]
+    return sorted(fits, key=lambda e: -e.params)
+
+
 def _read_toml(path: Path) -> dict:
     try:
         return tomllib.loads(path.read_text(encoding="utf-8"))
@@ -321,139 +322,3 @@ def load_registry(path: Path = SHIPPED_REGISTRY, user: Path | None = None) -> Re
     if default not in models:
         raise LocalspecError(f"{user if 'default' in user_raw else path}: default model {default!r} is not listed")
     return Registry(models=models, default=default)
-
-
-# --- automatic proposer choice -----------------------------------------------------------------
-
-
-class Choice(NamedTuple):
-    proposer: str
-    reason: str
-    """One line, shown to the user (stderr, the UI, --json)."""
-    draft: str | None = None
-    """The draft model's registry name when proposer is "draft"."""
-
-
-@dataclass(frozen=True)
-class Measured:
-    """What generations with one proposer (and draft) measured for a target on this machine."""
-
-    tokens: int
-    speedup: float
-    """Decode speed over plain decoding's, from the calibrated one-token pass cost."""
-    acceptance: float
-
-
-def pair_key(proposer: str, draft: str | None = None) -> str:
-    """History key of a proposer for a target: "none", "ngram" or "draft:<name>"."""
-    return f"{proposer}:{draft}" if draft else proposer
-
-
-def _gb(n: int) -> str:
-    return f"{n / 1e9:.1f} GB"
-
-
-def choose_proposer(
-    requested: str,
-    entry: ModelEntry,
-    registry: Registry | None = None,
-    *,
-    downloaded: set[str] | None = None,
-    memory: int | None = None,
-    history: dict[str, Measured] | None = None,
-    head_error: str | None = None,
-) -> Choice:
-    """Resolve --proposer auto into a concrete proposer, with the one-line reason shown to the user.
-
-    Order: EAGLE head > draft model > n-gram > none. A candidate is passed over when it is not
-    implemented, not downloaded, does not fit in `memory` (bytes free for weights and caches)
-    beside the target, or was measured slower than plain decoding on this machine (`history`,
-    keyed by pair_key); the EAGLE head also when a draft was measured faster here, or when it
-    could not be loaded (`head_error`, the reason). A saved
-    `localspec pair` result comes first, being a measurement itself. Unknown facts (None) exclude
-    nothing.
-    """
-    history = history or {}
-    if requested == "draft":
-        if not entry.drafts:
-            raise LocalspecError(f"{entry.name} has no registered draft model; try --proposer ngram")
-        draft = entry.paired.draft if entry.paired and entry.paired.draft in entry.drafts else entry.drafts[0]
-        return Choice("draft", "--proposer draft was asked for", draft)
-    if requested != "auto":
-        return Choice(requested, f"--proposer {requested} was asked for")
-
-    def have(name: str) -> bool:
-        return downloaded is None or name in downloaded
-
-    def known(key: str) -> Measured | None:
-        seen = history.get(key)
-        return seen if seen and seen.tokens >= MIN_HISTORY_TOKENS else None
-
-    def slow(key: str) -> Measured | None:
-        seen = known(key)
-        return seen if seen and seen.speedup < 1.0 else None
-
-    def fits(draft: ModelEntry) -> bool:
-        return memory is None or entry.memory_with(draft) <= memory
-
-    skipped: list[str] = []
-    paired = entry.paired
-    if paired and paired.proposer in IMPLEMENTED_PROPOSERS and not slow(pair_key(paired.proposer, paired.draft)):
-        usable = paired.draft is None or (
-            registry is not None and paired.draft in registry.models
-            and have(paired.draft) and fits(registry.models[paired.draft])
-        )
-        if usable:
-            what = f"draft {paired.draft}" if paired.draft else paired.proposer
-            return Choice(
-                paired.proposer,
-                f"{what} won `localspec pair` here ({paired.tokens_per_second:.1f} tok/s, {paired.speedup:.2f}x plain)",
-                paired.draft,
-            )
-
-    if head_error is not None:
-        skipped.append(f"the EAGLE head here cannot be loaded: {head_error}")
-    elif has_eagle_head(entry.name):
-        eagle = known("eagle")
-        # a draft measured faster here wins over the head (heads trained on a small machine can be weak)
-        rivals = [(m.speedup, name) for name in entry.drafts if (m := known(pair_key("draft", name))) and have(name)]
-        rival = max(rivals, default=None)
-        if eagle and eagle.speedup < 1.0:
-            skipped.append(f"the EAGLE head measured {eagle.speedup:.2f}x plain here")
-        elif eagle and rival and rival[0] > eagle.speedup:
-            skipped.append(f"the EAGLE head measured {eagle.speedup:.2f}x plain here, draft {rival[1]} {rival[0]:.2f}x")
-        else:
-            return Choice("eagle", _with_skipped(f"an EAGLE head trained for {entry.name} is on this machine ({eagle_head_dir(entry.name)})", skipped))
-    elif entry.eagle_heads:
-        skipped.append(f"no EAGLE head on this machine ({train_command(entry)})")
-
-    for name in entry.drafts:
-        draft = registry.models.get(name) if registry is not None else None
-        measured = slow(pair_key("draft", name))
-        if not have(name):
-            skipped.append(f"draft {name} is not downloaded (localspec pull {name})")
-        elif draft is not None and not fits(draft):
-            need = entry.memory_with(draft)
-            skipped.append(f"draft {name} does not fit beside the target ({_gb(need)} needed, {_gb(memory)} free)")
-        elif measured:
-            skipped.append(f"draft {name} measured {measured.speedup:.2f}x plain here")
-        else:
-            return Choice("draft", _with_skipped(f"draft {name} has the same tokenizer and fits", skipped), name)
-    if not entry.drafts:
-        skipped.append("no registered draft")
-
-    measured = slow("ngram")
-    if measured is None:
-        return Choice("ngram", _with_skipped("prompt lookup needs no extra model", skipped))
-    skipped.append(f"prompt lookup measured {measured.speedup:.2f}x plain here")
-    return Choice("none", _with_skipped("plain decoding", skipped))
-
-
-def train_command(entry: ModelEntry) -> str:
-    """The command that makes this target's EAGLE head here, with its registered recipe."""
-    recipe = next((h.train for h in entry.eagle_heads if h.train), "")
-    return f"localspec train-eagle --target {entry.name}{' ' + recipe if recipe else ''}"
-
-
-def _with_skipped(reason: str, skipped: list[str]) -> str:
-    return f"{reason} ({'; '.join(skipped)})" if skipped else reason

@@ -15,16 +15,21 @@ import torch
 
 from localspec import quant as quantization
 from localspec.attention import use_exact_attention
-from localspec.config import SpecConfig, eagle_head_dir, has_eagle_head
-from localspec.costs import CostModel, WIDTHS, cost_model, load_calibrations, measured_costs, measured_curves, save_calibration
+from localspec import proposer_catalog
+from localspec import policy
+from localspec.config import SpecConfig
+from localspec.costs import CostModel, WIDTHS, cost_model
 from localspec.engine import Engine
 from localspec.errors import LocalspecError, is_out_of_memory
-from localspec.loading import LoadedModel, first_line, hub_snapshot, load_model, pick_device, release_memory
-from localspec.pairing import check_tokenizers, situation
-from localspec.proposers import DraftModelProposer, NgramProposer
-from localspec.proposers.eagle import EagleProposer
-from localspec.proposers.eagle_head import build_head, load_head
-from localspec.registry import ModelEntry, Registry, choose_proposer, load_registry, train_command
+from localspec.loading import (
+    LoadedModel, discard_unused, first_line, hub_snapshot, load_model, pick_device, release_memory,
+)
+from localspec.machine import check_tokenizers, situation
+from localspec.measurements import (
+    draft_format_key, dtype_key, load_calibrations, measured_costs, measured_curves, save_calibration,
+)
+from localspec.proposer_catalog import choose_proposer, registered_draft
+from localspec.registry import ModelEntry, Registry, load_registry
 from localspec_kernels.cpu_linear import (
     PackedLinear, linear_bytes, pack_linears, packing_supported, set_wide_from, unpack_linears,
 )
@@ -90,15 +95,13 @@ def costs_for(target: LoadedModel, draft: LoadedModel | None, widths=WIDTHS) -> 
 
 
 def _best_rate(costs: CostModel, proposer: str, max_len: int) -> float:
-    if proposer == "none":
-        return costs.expected_rate(ASSUMED_ACCEPTANCE, 0)
-    return max(costs.expected_rate(ASSUMED_ACCEPTANCE, g) for g in range(max_len + 1))
+    return policy.best_rate(costs, ASSUMED_ACCEPTANCE, 0 if proposer == "none" else max_len)
 
 
 def draft_pays(costs: CostModel, max_len: int) -> bool:
     """Whether a draft model, at its measured step cost, beats plain decoding at the assumed
     acceptance: a target made fast (the w4a8 kernel) can leave a draft too dear to be worth it."""
-    return _best_rate(costs, "draft", max_len) > _best_rate(costs, "none", max_len)
+    return policy.draft_model_pays(costs, ASSUMED_ACCEPTANCE, max_len)
 
 
 def choose_dtype(
@@ -111,7 +114,7 @@ def choose_dtype(
         return dtype, f"{dtype} on CUDA"
     if device.type == "mps":
         return torch.float16, "float16 on MPS"
-    key = f"dtype|{entry.name}|{draft_entry.name if draft_entry else '-'}|{proposer}|threads={torch.get_num_threads()}"
+    key = dtype_key(entry.name, draft_entry.name if draft_entry else None, proposer)
     cached = load_calibrations().get(key)
     if cached:
         return DTYPE_NAMES[cached["dtype"]], cached["reason"]
@@ -128,61 +131,35 @@ def choose_dtype(
     return DTYPE_NAMES[best], reason
 
 
-def make_proposer(name: str, spec: SpecConfig, draft: LoadedModel | None, target: LoadedModel | None = None,
-                  costs: CostModel | None = None):
-    if name == "none":
-        return None
-    if name == "eagle":
-        return load_eagle(target, spec, costs)
-    if name == "ngram":
-        return NgramProposer(spec.ngram_min, spec.ngram_max)
-    if name == "draft":
-        if draft is None:
-            raise LocalspecError("the draft proposer needs a draft model")
-        return DraftModelProposer(draft.model)
-    raise LocalspecError(f"unknown proposer {name!r}")
-
-
-def load_eagle(target: LoadedModel, spec: SpecConfig, costs: CostModel | None) -> EagleProposer:
-    """The EAGLE head trained for this target on this machine, checked against it strictly."""
-    folder = eagle_head_dir(target.name)
-    if not has_eagle_head(target.name):
-        raise LocalspecError(
-            f"no EAGLE head for {target.name} on this machine ({folder}); "
-            f"train one with `{train_command(load_registry().get(target.name))}` or use --proposer draft/ngram"
-        )
-    try:
-        checkpoint = load_head(folder, target.model.config)
-        head = build_head(checkpoint, target.model, torch.float32).to(target.device)
-    except LocalspecError as exc:
-        raise LocalspecError(f"the EAGLE head in {folder} cannot be used for {target.name}: {exc}") from exc
-    except Exception as exc:  # a damaged file (truncated safetensors, config.json of another shape)
-        raise LocalspecError(
-            f"the EAGLE head in {folder} is damaged ({first_line(exc)}); train it again with "
-            f"`{train_command(load_registry().get(target.name))}`"
-        ) from exc
-    return EagleProposer(head, target.model, costs, top_k=spec.tree_top_k, nodes=spec.tree_nodes, depth=spec.tree_depth)
-
-
 def make_engine(target: LoadedModel, draft: LoadedModel | None, proposer: str, spec: SpecConfig, reason: str) -> Engine:
     """An engine over already-loaded weights (the benchmark builds several over the same ones)."""
-    costs = costs_for(target, draft if proposer == "draft" else None)
+    costs = costs_for(target, draft if proposer_catalog.kind(proposer).draft_model else None)
     return Engine(
-        target.model, target.tokenizer, make_proposer(proposer, spec, draft, target, costs), spec=spec,
+        target.model, target.tokenizer, proposer_catalog.build(proposer, spec, target, draft, costs), spec=spec,
         costs=costs, context_len=target.context_len, proposer_reason=reason,
     )
 
 
-def choose_quant(entry: ModelEntry, wanted: str, device: torch.device) -> tuple[str, str]:
-    """The target's weight format and why: as asked; else, when the published weights are 4-bit
-    anyway (re-packing Q4 GGUF in groups of 32 keeps them), w4a8 on a CPU that builds its kernel,
-    since it reads 5 bits per weight and its verify passes stay cheap as they widen; else w8a8 on
-    a CPU that multiplies int8 exactly (VNNI/AMX) when it fits; else 4-bit for a 4-bit source on a
-    CPU; else the least quantization that fits in memory (on MPS 16-bit where it fits: int4 runs
-    its de-quantizing reference there)."""
+def release_engine(engine: Engine) -> None:
+    """Detach what the engine's proposer attached to the target (an EAGLE head's feature hooks),
+    before another engine runs on the same weights."""
+    if engine.proposer is not None:
+        engine.proposer.close()
+
+
+def choose_quant(entry: ModelEntry, wanted: str, device: torch.device, dtype: str = "auto") -> tuple[str, str]:
+    """The target's weight format and why: as asked; else an explicit --dtype keeps its float
+    weights (the model the user asked for), quantized only when they do not fit in memory; else,
+    when the published weights are 4-bit anyway (re-packing Q4 GGUF in groups of 32 keeps them),
+    w4a8 on a CPU that builds its kernel, since it reads 5 bits per weight and its verify passes
+    stay cheap as they widen; else w8a8 on a CPU that multiplies int8 exactly (VNNI/AMX) when it
+    fits; else 4-bit for a 4-bit source on a CPU; else the least quantization that fits in memory
+    (on MPS 16-bit where it fits: int4 runs its de-quantizing reference there)."""
     if wanted != "auto":
         return wanted, f"--quant {wanted}"
     free = torch.cuda.mem_get_info()[0] if device.type == "cuda" else psutil.virtual_memory().available
+    if dtype != "auto":
+        return _fit_in_memory(entry, device, free, DTYPE_NAMES[dtype].itemsize, f"--dtype {dtype}")
     source = (entry.mirror.file if entry.mirror and hub_snapshot(entry) is None else "").lower()
     four_bit = any(tag in source for tag in ("q4_", "q4.", "-q4", "iq4"))
     if device.type == "cpu" and four_bit and (kernel := _w4a8_kernel_name()):
@@ -194,14 +171,21 @@ def choose_quant(entry: ModelEntry, wanted: str, device: torch.device) -> tuple[
                         "a one-token pass (int4: 5x)")
     if four_bit and device.type == "cpu":
         return "int4", "the published weights are 4-bit (GGUF Q4), int4 keeps them and reads a quarter of bf16's bytes"
-    bf16_bytes = 2 * entry.params * 1e9
-    if bf16_bytes * 1.2 < free:
+    return _fit_in_memory(entry, device, free, 2, "16-bit")
+
+
+def _fit_in_memory(entry: ModelEntry, device: torch.device, free: int, bytes_per_weight: int, what: str) -> tuple[str, str]:
+    """Float weights of `bytes_per_weight` when they fit in `free` bytes, else the least
+    quantization that does; `what` names those float weights in the reason."""
+    weights = bytes_per_weight * entry.params * 1e9
+    if weights * 1.2 < free:
         slow_int4 = " (int4 has no fast kernel on MPS: it would de-quantize every weight on every pass)" if device.type == "mps" else ""
-        return "none", "16-bit weights fit in memory" + slow_int4
+        return "none", f"{what} weights fit in memory" + slow_int4
+    too_big = f"{what} weights ({weights / 1e9:.1f} GB) do not fit in {free / 1e9:.1f} GB free"
     if device.type == "mps":
-        return "int4", f"16-bit weights ({bf16_bytes / 1e9:.1f} GB) do not fit in {free / 1e9:.1f} GB free"
-    if bf16_bytes * 0.6 < free:
-        return "int8", f"16-bit weights ({bf16_bytes / 1e9:.1f} GB) do not fit in {free / 1e9:.1f} GB free"
+        return "int4", too_big
+    if 1.2 * entry.params * 1e9 < free:  # int8: a byte per weight
+        return "int8", too_big
     return ("nf4" if device.type == "cuda" else "int4"), f"even 8-bit weights do not fit in {free / 1e9:.1f} GB free"
 
 
@@ -227,7 +211,7 @@ def load_models(
     if dtype not in ("auto", *DTYPE_NAMES):
         raise LocalspecError(f"--dtype must be auto, float32, bfloat16 or float16, got {dtype!r}")
     device = pick_device()
-    quant, quant_reason = choose_quant(entry, spec.quant, device)
+    quant, quant_reason = choose_quant(entry, spec.quant, device, dtype)
     if quant != "none":
         torch_dtype = quantization.compute_dtype(quant)
         how = {"w8a8": "int8 weights and activations, float32 between them",
@@ -248,6 +232,7 @@ def load_models(
         refused = check_tokenizers(entry.name, target.tokenizer, draft_entry.name, draft.tokenizer)
         if refused:
             raise LocalspecError(f"{refused}; the draft proposer cannot pair them (try --proposer ngram)")
+    discard_unused(target, draft)  # the copies of other formats (measured ones included) go
     return target, draft, dtype_reason
 
 
@@ -270,10 +255,10 @@ def load_draft(entry: ModelEntry, dtype: torch.dtype, device: torch.device, spec
         quant = "none"
     else:
         candidates = ("none", "int8", "int4", "w8a8", "w4a8")
-        key = (f"draft-quant|{entry.name}|{dtype}|{'+'.join(candidates)}|threads={torch.get_num_threads()}"
-               f"|torch={torch.__version__}")
+        key = draft_format_key(entry.name, dtype, candidates)
         quant = (load_calibrations().get(key) or {}).get("quant")
         if quant is None:
+            notice(f"measuring the draft {entry.name}'s step in each weight format (once)", quiet)
             steps = {}
             for candidate in candidates:
                 try:
@@ -288,7 +273,7 @@ def load_draft(entry: ModelEntry, dtype: torch.dtype, device: torch.device, spec
 
 
 def draft_entry_for(registry: Registry, entry: ModelEntry) -> ModelEntry:
-    return registry.get(choose_proposer("draft", entry).draft)
+    return registry.get(registered_draft(entry))
 
 
 def open_session(

@@ -176,16 +176,16 @@ def test_any_chat_history_file_is_listed_or_skipped(tmp_path_factory, data):
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])  # rewritten per example
 @given(data=file_contents("pairing"))
 def test_any_pairing_history_is_read_and_added_to(home, data, monkeypatch):
-    from localspec import pairing
+    from localspec import measurements
     from localspec.stats import GenerationStats
 
-    monkeypatch.setattr(pairing, "machine_id", lambda: "m")
+    monkeypatch.setattr(measurements, "machine_id", lambda: "m")
     home.mkdir(parents=True, exist_ok=True)
     (home / "history.json").write_bytes(data)
-    pairing.load_history("m")
+    measurements.load_history("m")
     stats = GenerationStats(new_tokens=11, decode_seconds=1.0, plain_token_seconds=0.05, drafted=5, accepted=5)
-    pairing.record_generation("m", "ngram", stats)
-    assert pairing.load_history("m")["ngram"].tokens >= 11
+    measurements.record_generation("m", "ngram", stats)
+    assert measurements.load_history("m")["ngram"].tokens >= 11
 
 
 # -- a damaged EAGLE head -----------------------------------------------------------------------
@@ -321,14 +321,13 @@ def test_two_processes_fetching_the_same_model_both_succeed_and_fetch_once(tmp_p
 
 
 RECORD = textwrap.dedent("""
-    from localspec import pairing
-    from localspec.costs import save_calibration
+    from localspec.measurements import record_generation, save_calibration
     from localspec.stats import GenerationStats
 
     import sys
     stats = GenerationStats(new_tokens=11, decode_seconds=1.0, plain_token_seconds=0.05, drafted=5, accepted=5)
     for i in range(30):
-        pairing.record_generation("m", "ngram", stats)
+        record_generation("m", "ngram", stats)
         save_calibration(f"{sys.argv[1]}-{i}", {"1": 0.1})
 """)
 
@@ -420,7 +419,7 @@ def test_a_closed_stdout_ends_quietly(tmp_path):
 
 @pytest.mark.parametrize("content", ["[]", "\"text\"", "{not json", "7"])
 def test_a_calibration_file_that_is_not_an_object_is_measured_again_not_a_crash(home, content):
-    from localspec.costs import load_calibrations, save_calibration
+    from localspec.measurements import load_calibrations, save_calibration
 
     path = home / "calibration.json"
     path.parent.mkdir(parents=True, exist_ok=True)

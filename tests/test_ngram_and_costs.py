@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from localspec.costs import AcceptanceTracker, CostModel, measured_costs
+from localspec.costs import AcceptanceTracker, CostModel
+from localspec.measurements import load_calibrations, measured_costs
 from localspec.stats import GenerationStats, predicted_speedup
 from localspec.proposers.ngram import lookup
 
@@ -100,7 +101,7 @@ def test_calibration_times_the_attention_and_contexts_generation_runs(tmp_path, 
     engine = session.make_engine(target, None, "ngram", SpecConfig(), "test")
     assert seen and {attention for attention, _ in seen} == {NAME}
     assert {context for _, context in seen} == set(costs.CONTEXTS)
-    assert f"attention={NAME}" in next(iter(costs.load_calibrations()))
+    assert f"attention={NAME}" in next(iter(load_calibrations()))
     assert engine.guard.costs is engine.costs  # the kill switch reads the same numbers
 
 

@@ -9,10 +9,11 @@ import pytest
 import torch
 
 from conftest import CharTokenizer, tiny_model
-from localspec import loading, pairing
+from localspec import loading, machine, measurements, pairing
 from localspec.errors import LocalspecError
 from localspec.loading import LoadedModel
-from localspec.registry import choose_proposer, load_registry
+from localspec.proposer_catalog import choose_proposer
+from localspec.registry import load_registry
 from localspec.stats import GenerationStats
 
 if sys.version_info >= (3, 11):
@@ -39,7 +40,7 @@ TOKENS = ["<eos>", "a", "b", "c", "def", " return"]
 
 @pytest.mark.parametrize("draft_tokens", [TOKENS, TOKENS + ["[PAD6]", "[PAD7]"]], ids=["identical", "padded"])
 def test_identical_or_only_padded_tokenizers_pair(draft_tokens):
-    assert pairing.check_tokenizers("t", FakeTokenizer(TOKENS), "d", FakeTokenizer(draft_tokens)) is None
+    assert machine.check_tokenizers("t", FakeTokenizer(TOKENS), "d", FakeTokenizer(draft_tokens)) is None
 
 
 @pytest.mark.parametrize(
@@ -52,7 +53,7 @@ def test_identical_or_only_padded_tokenizers_pair(draft_tokens):
     ],
 )
 def test_a_refused_pair_says_what_differs(draft, message):
-    reason = pairing.check_tokenizers("t", FakeTokenizer(TOKENS), "d", draft)
+    reason = machine.check_tokenizers("t", FakeTokenizer(TOKENS), "d", draft)
     assert reason.startswith("d cannot draft for t: ") and message in reason
 
 
@@ -65,7 +66,7 @@ def tokenizer_of(name: str):
 
 @pytest.mark.real_model
 def test_real_smollm2_cannot_draft_for_qwen():
-    reason = pairing.check_tokenizers(
+    reason = machine.check_tokenizers(
         "qwen2.5-coder-1.5b", tokenizer_of("qwen2.5-coder-1.5b"), "smollm2-135m", tokenizer_of("smollm2-135m")
     )
     assert reason.startswith("smollm2-135m cannot draft for qwen2.5-coder-1.5b: ")
@@ -75,14 +76,14 @@ def test_real_smollm2_cannot_draft_for_qwen():
 @pytest.mark.real_model
 def test_real_qwen_coder_half_b_drafts_for_one_and_a_half_b():
     target, draft = tokenizer_of("qwen2.5-coder-1.5b"), tokenizer_of("qwen2.5-coder-0.5b")
-    assert pairing.check_tokenizers("qwen2.5-coder-1.5b", target, "qwen2.5-coder-0.5b", draft) is None
+    assert machine.check_tokenizers("qwen2.5-coder-1.5b", target, "qwen2.5-coder-0.5b", draft) is None
 
 
 def test_eagle_head_must_match_the_pinned_target_revision():
     entry = load_registry().get("qwen3-8b")
-    assert pairing.check_eagle_head(entry, entry.eagle_heads[0]) is None
+    assert machine.check_eagle_head(entry, entry.eagle_heads[0]) is None
     other = entry.eagle_heads[0].__class__("org/head", "main", "f" * 40, ("config.json",))
-    assert "was trained on Qwen/Qwen3-8B at ffffffffffff" in pairing.check_eagle_head(entry, other)
+    assert "was trained on Qwen/Qwen3-8B at ffffffffffff" in machine.check_eagle_head(entry, other)
 
 
 @pytest.fixture
@@ -98,20 +99,20 @@ def stats(tokens: int, seconds: float, plain: float, drafted: int, accepted: int
 
 
 def test_history_accumulates_per_pair(home):
-    pairing.record_generation("m", "draft", stats(101, 10.0, 0.05, 80, 40), draft="d")  # 10 tok/s, 0.5x
-    pairing.record_generation("m", "draft", stats(101, 5.0, 0.05, 80, 60), draft="d")  # 20 tok/s, 1.0x
-    pairing.record_generation("m", "ngram", stats(1, 0.0, 0.05, 0, 0))  # nothing to learn from
-    seen = pairing.load_history("m")
+    measurements.record_generation("m", "draft", stats(101, 10.0, 0.05, 80, 40), draft="d")  # 10 tok/s, 0.5x
+    measurements.record_generation("m", "draft", stats(101, 5.0, 0.05, 80, 60), draft="d")  # 20 tok/s, 1.0x
+    measurements.record_generation("m", "ngram", stats(1, 0.0, 0.05, 0, 0))  # nothing to learn from
+    seen = measurements.load_history("m")
     assert set(seen) == {"draft:d"}
     assert seen["draft:d"].tokens == 202
     assert seen["draft:d"].speedup == pytest.approx(0.75) and seen["draft:d"].acceptance == pytest.approx(100 / 160)
-    assert pairing.load_history("other") == {}
+    assert measurements.load_history("other") == {}
 
 
 def test_a_damaged_history_is_replaced_not_fatal(home):
     (home / "history.json").write_text("{not json")
-    assert pairing.load_history("m") == {}
-    pairing.record_generation("m", "ngram", stats(11, 1.0, 0.05, 5, 5))
+    assert measurements.load_history("m") == {}
+    measurements.record_generation("m", "ngram", stats(11, 1.0, 0.05, 5, 5))
     assert json.loads((home / "history.json").read_text())
 
 
@@ -139,7 +140,7 @@ def test_saved_pairing_is_loaded_and_chosen(home):
 
 def test_situation_describes_this_machine(home):
     registry = load_registry()
-    now = pairing.situation(registry, "qwen2.5-coder-1.5b")
+    now = machine.situation(registry, "qwen2.5-coder-1.5b")
     # nothing pulled in this fresh home: only the models with an offline mirror count as at hand
     assert now["downloaded"] == {name for name, e in registry.models.items() if e.mirror is not None}
     assert "llama-3.1-8b" not in now["downloaded"] and "qwen2.5-coder-0.5b" in now["downloaded"]
@@ -157,7 +158,7 @@ def test_the_wizard_measures_every_candidate_and_saves_the_winner(home, monkeypa
 
     pulled = []
     monkeypatch.setattr(pairing, "free_memory", lambda device: 64 * 10**9)
-    monkeypatch.setattr("localspec.session.load_models", load_models)
+    monkeypatch.setattr(pairing, "load_models", load_models)
     monkeypatch.setattr(pairing.hub, "pull", lambda entry, offline: pulled.append(entry.name))
     monkeypatch.setattr(pairing.loading, "load_tokenizer", lambda entry: FakeTokenizer(TOKENS))
     prompts = home / "prompts.json"
@@ -170,7 +171,7 @@ def test_the_wizard_measures_every_candidate_and_saves_the_winner(home, monkeypa
     assert measured == ["none", "ngram", "draft:qwen2.5-coder-0.5b"]
     saved = load_registry().get("qwen2.5-coder-1.5b").paired
     assert (saved.proposer, saved.draft) == (best.proposer, best.draft) and saved.draft_len == best.draft_len
-    assert set(pairing.load_history("qwen2.5-coder-1.5b")) <= {"none", "ngram", "draft:qwen2.5-coder-0.5b"}
+    assert set(measurements.load_history("qwen2.5-coder-1.5b")) <= {"none", "ngram", "draft:qwen2.5-coder-0.5b"}
 
 
 def test_the_wizard_without_a_target_lists_what_fits(home, monkeypatch):

@@ -8,10 +8,11 @@ import pytest
 @pytest.fixture(autouse=True)
 def _no_local_heads(tmp_path, monkeypatch):
     """The policy table must not depend on heads trained on this machine."""
-    monkeypatch.setattr("localspec.registry.has_eagle_head", lambda name: False)
+    monkeypatch.setattr("localspec.proposer_catalog.has_eagle_head", lambda name: False)
 
 from localspec.errors import LocalspecError
-from localspec.registry import Measured, choose_proposer, load_registry
+from localspec.proposer_catalog import Measured, choose_proposer
+from localspec.registry import load_registry
 
 SHA = "ab" * 32
 GB = 10**9
@@ -195,7 +196,7 @@ FAST = Measured(tokens=1000, speedup=1.5, acceptance=0.8)
     ],
 )
 def test_auto_prefers_a_head_trained_here_unless_measured_slower(tmp_path, monkeypatch, history, expected, why):
-    monkeypatch.setattr("localspec.registry.has_eagle_head", lambda name: True)
+    monkeypatch.setattr("localspec.proposer_catalog.has_eagle_head", lambda name: True)
     reg = registry_from(tmp_path, BASE)
     choice = choose_proposer("auto", reg.get("big"), reg, downloaded=ALL, memory=100 * GB, history=history)
     assert (choice.proposer, choice.draft) == expected

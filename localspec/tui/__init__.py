@@ -9,6 +9,8 @@ from localspec.tui.backend import ChatSettings
 
 
 def run_chat(settings: ChatSettings, fake_engine: bool = False) -> int:
+    # textual (and, for the fake engine, torch) load when the chat starts: importing ChatSettings
+    # to check the options needs neither
     from localspec.tui.app import LocalspecApp
     from localspec.tui.backend import SessionBackend
 

@@ -7,6 +7,7 @@ from dataclasses import replace
 from textual import work
 from textual.app import App
 
+from localspec.registry import load_registry
 from localspec.tui.backend import Backend, ChatSettings, Loaded, available_proposers, error_text
 from localspec.tui.chat import ChatScreen
 from localspec.tui.history import HistoryStore
@@ -22,9 +23,8 @@ class LocalspecApp(App):
     ) -> None:
         super().__init__()
         self.backend = backend
-        if run_pair is None:
-            from localspec.pairing import pair as run_pair
-        self.run_pair = run_pair  # the wizard's measurement; tests pass a fake
+        self.run_pair = run_pair
+        """The wizard's measurement (None: localspec.pairing.pair); tests pass a fake."""
         self.settings = settings
         self.history = history or HistoryStore()
         self.loaded: Loaded | None = None
@@ -100,16 +100,15 @@ class LocalspecApp(App):
         if self.chat.generating:
             self.notify("Stop the answer first (Esc): pairing measures on the same CPU/GPU.", severity="warning")
             return
-        from localspec import loading, pairing
+        # these import torch: here, when the wizard opens, so that the chat is up before torch is
+        from localspec import loading, machine, pairing
 
-        memory = pairing.free_memory(loading.pick_device())
-        self.push_screen(WizardScreen(self.backend.registry, memory, self.run_pair), self._wizard_closed)
+        memory = machine.free_memory(loading.pick_device())
+        self.push_screen(WizardScreen(self.backend.registry, memory, self.run_pair or pairing.pair), self._wizard_closed)
 
     def _wizard_closed(self, model: str | None) -> None:
         if model is not None:
             # reload the registry so the saved pairing is seen, then let auto pick the winner
-            from localspec.registry import load_registry
-
             self.backend.registry = load_registry()
             self.apply_settings(replace(self.settings, model=model, spec=replace(self.settings.spec, proposer="auto")))
 

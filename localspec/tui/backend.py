@@ -13,6 +13,7 @@ from typing import Protocol
 
 import psutil
 
+from localspec import proposer_catalog
 from localspec.config import GenerationLimits, SamplingConfig, SpecConfig
 from localspec.errors import LocalspecError
 from localspec.registry import Registry, load_registry
@@ -66,9 +67,9 @@ class Backend(Protocol):
 
 
 def available_proposers(registry: Registry, model: str | None) -> list[str]:
-    """Proposers that can run for this model ('draft' only with a registered draft)."""
-    entry = registry.get(model)
-    return (["draft"] if entry.drafts else []) + ["ngram", "none"]
+    """The proposers in the catalog that can run for this model here (the draft one with a
+    registered draft, EAGLE with a head trained here)."""
+    return proposer_catalog.available(registry.get(model))
 
 
 def error_text(exc: Exception) -> str:
@@ -95,9 +96,12 @@ class SessionBackend:
         self.session = session
         self.dtype = None
         """The dtype option the session was opened with (None: opened by the caller)."""
+        self.engine = session.engine if session is not None else None
+        """The engine handed out last (the session's own, or one rebuilt for a proposer switch)."""
 
     def open(self, settings: ChatSettings, status: Callable[[str], None]) -> Loaded:
         status("importing torch")
+        # imported here, in the loading worker, so that the UI is up before torch is
         from localspec import session as sessions
         from localspec.loading import load_model, release_memory
 
@@ -116,12 +120,17 @@ class SessionBackend:
             # a proposer picked in the UI on the weights already loaded ('auto' only comes with a load)
             proposer = settings.spec.proposer
             reason = f"{proposer} was chosen in the chat"
-            if proposer == "draft" and current.draft is None:
+            if proposer_catalog.kind(proposer).draft_model and current.draft is None:
                 draft_entry = sessions.draft_entry_for(self.registry, entry)
                 status(f"loading draft model {draft_entry.name}")
                 # the draft alone, at the target's dtype: load_models would load the target again
                 current.draft = load_model(draft_entry, current.target.dtype, device=current.target.device, progress=False)
             status("measuring pass costs (cached after the first time)")
             engine = sessions.make_engine(current.target, current.draft, proposer, settings.spec, reason)
+        if self.engine is not None and self.engine is not engine:
+            # once the new engine is built (a failure leaves the old one working): what the old
+            # engine's proposer hooked into the target goes with it
+            sessions.release_engine(self.engine)
+        self.engine = engine
         device = current.target.device.type
         return Loaded(engine, entry.name, proposer, reason, current.dtype_reason, lambda: memory_in_use(device))

@@ -16,7 +16,7 @@ from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, LoadingIndicator, OptionList, RichLog, Select, Static, TextArea
 
 from localspec.errors import LocalspecError
-from localspec.pairing import fitting_targets
+from localspec.registry import fitting_targets
 from localspec.tui.backend import ChatSettings, error_text
 
 
