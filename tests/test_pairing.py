@@ -9,9 +9,11 @@ import pytest
 import torch
 
 from conftest import CharTokenizer, tiny_model
-from localspec import loading, machine, measurements, pairing
+from localspec import loading, machine, measurements, pairing, proposer_catalog
+from localspec.config import eagle_head_dir
 from localspec.errors import LocalspecError
 from localspec.loading import LoadedModel
+from localspec.proposers.eagle_head import save_head
 from localspec.proposer_catalog import choose_proposer
 from localspec.registry import load_registry
 from localspec.stats import GenerationStats
@@ -147,8 +149,9 @@ def test_situation_describes_this_machine(home):
     assert now["memory"] > 0 and now["history"] == {}
 
 
-def test_the_wizard_measures_every_candidate_and_saves_the_winner(home, monkeypatch):
-    """The whole wizard on tiny random models: no download, no real weights."""
+def tiny_wizard(home, monkeypatch):
+    """pairing.pair on tiny random models: no download, no real weights; returns the target model
+    and a function that runs the wizard for qwen2.5-coder-1.5b and returns (winner, lines said)."""
     target_model, draft_model = tiny_model("qwen2", seed=0), tiny_model("qwen2", seed=1, layers=1)
 
     def load_models(entry, draft_entry, proposer, dtype, spec, quiet):
@@ -156,22 +159,56 @@ def test_the_wizard_measures_every_candidate_and_saves_the_winner(home, monkeypa
             return LoadedModel(name, model, CharTokenizer(), torch.float32, torch.device("cpu"), 512, 0.0, False)
         return loaded(entry.name, target_model), loaded(draft_entry.name, draft_model) if draft_entry else None, "test"
 
-    pulled = []
     monkeypatch.setattr(pairing, "free_memory", lambda device: 64 * 10**9)
     monkeypatch.setattr(pairing, "load_models", load_models)
-    monkeypatch.setattr(pairing.hub, "pull", lambda entry, offline: pulled.append(entry.name))
     monkeypatch.setattr(pairing.loading, "load_tokenizer", lambda entry: FakeTokenizer(TOKENS))
     prompts = home / "prompts.json"
     prompts.write_text(json.dumps([{"prompt": "def add(a, b): return a + b"}, {"prompt": "x = x + 1; y = y + 1"}]))
-    lines = []
-    best = pairing.pair("qwen2.5-coder-1.5b", prompts_file=str(prompts), max_new_tokens=12, say=lines.append)
+
+    def run():
+        lines = []
+        best = pairing.pair("qwen2.5-coder-1.5b", prompts_file=str(prompts), max_new_tokens=12, say=lines.append)
+        return best, lines
+
+    return target_model, run
+
+
+def measured(lines: list[str]) -> list[str]:
+    return [line.split()[0] for line in lines if "tok/s, acceptance" in line]
+
+
+def test_the_wizard_measures_every_candidate_and_saves_the_winner(home, monkeypatch):
+    pulled = []
+    monkeypatch.setattr(pairing.hub, "pull", lambda entry, offline: pulled.append(entry.name))
+    _, run = tiny_wizard(home, monkeypatch)
+    best, lines = run()
 
     assert pulled == ["qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"]
-    measured = [line.split()[0] for line in lines if "tok/s, acceptance" in line]
-    assert measured == ["none", "ngram", "draft:qwen2.5-coder-0.5b"]
+    assert measured(lines) == ["none", "ngram", "draft:qwen2.5-coder-0.5b"]
+    assert any(line.startswith("eagle: no EAGLE head for qwen2.5-coder-1.5b") for line in lines)  # said, not silent
     saved = load_registry().get("qwen2.5-coder-1.5b").paired
     assert (saved.proposer, saved.draft) == (best.proposer, best.draft) and saved.draft_len == best.draft_len
     assert set(measurements.load_history("qwen2.5-coder-1.5b")) <= {"none", "ngram", "draft:qwen2.5-coder-0.5b"}
+
+
+def test_the_wizard_measures_every_proposer_in_the_catalog_with_a_head_trained_here(home, monkeypatch):
+    """With an EAGLE head for the target on this machine (a tiny one, for the tiny target), the
+    wizard measures it like the others: every proposer in the catalog is a candidate."""
+    from test_eagle import random_head
+
+    monkeypatch.setattr(pairing.hub, "pull", lambda entry, offline: None)
+    target_model, run = tiny_wizard(home, monkeypatch)
+    save_head(random_head(target_model, version=1), eagle_head_dir("qwen2.5-coder-1.5b"))
+    best, lines = run()
+
+    assert measured(lines) == ["none", "ngram", "eagle", "draft:qwen2.5-coder-0.5b"]
+    assert {name.split(":")[0] for name in measured(lines)} == set(proposer_catalog.KINDS)
+    eagle = next(line for line in lines if line.split()[0] == "eagle")
+    assert "acceptance" in eagle and " 0.00 tok/s" not in eagle
+    assert not any(line.startswith("eagle:") for line in lines)  # not skipped
+    # the head's hooks left the target with its engine: the draft measured after it ran on a clean target
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in target_model.modules())
+    assert load_registry().get("qwen2.5-coder-1.5b").paired.proposer == best.proposer
 
 
 def test_the_wizard_without_a_target_lists_what_fits(home, monkeypatch):
