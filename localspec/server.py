@@ -40,6 +40,7 @@ from starlette.routing import Route
 
 from localspec.config import GenerationLimits, SamplingConfig, SpecConfig
 from localspec.errors import LocalspecError
+from localspec.registry import load_registry
 from localspec.stats import GenerationStats
 
 FIM_TOKENS = (("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"), ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"))
@@ -727,11 +728,10 @@ def create_app(load: Callable[[], Served], config: ServeConfig = ServeConfig(), 
 
 def session_loader(model: str | None, proposer: str, dtype: str, spec: SpecConfig) -> Callable[[], Served]:
     """What `localspec serve` loads; an unknown model name fails here, before the port opens."""
-    from localspec.registry import load_registry
-
     entry = load_registry().get(model)
 
     def load() -> Served:
+        # torch loads here, in the engine thread, once the port is open: /health answers meanwhile
         from localspec.session import open_session
 
         session = open_session(entry.name, proposer, dtype, spec)
