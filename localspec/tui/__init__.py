@@ -5,14 +5,13 @@ Imported only by the CLI; nothing below it imports the UI.
 
 from __future__ import annotations
 
-from localspec.tui.backend import ChatSettings
+from localspec.tui.backend import ChatSettings, SessionBackend
 
 
 def run_chat(settings: ChatSettings, fake_engine: bool = False) -> int:
     # textual (and, for the fake engine, torch) load when the chat starts: importing ChatSettings
     # to check the options needs neither
     from localspec.tui.app import LocalspecApp
-    from localspec.tui.backend import SessionBackend
 
     if fake_engine:
         from localspec.tui.fake import FakeBackend
