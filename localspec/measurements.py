@@ -67,6 +67,12 @@ def load_calibrations() -> dict:
     return _read(_calibration_file())
 
 
+def load_calibration(key: str) -> dict:
+    """One measurement ({} when absent, or hand-edited into another shape: then it is measured again)."""
+    value = load_calibrations().get(key)
+    return value if isinstance(value, dict) else {}
+
+
 def save_calibration(key: str, value: dict) -> None:
     def put(data: dict) -> None:
         data[key] = value
@@ -107,11 +113,11 @@ def measured_curves(name: str, model: torch.nn.Module, widths: tuple[int, ...] =
     """Calibrated pass costs of a model as it runs, per context length and width (measured with
     costs.time_forward the first time, then read from calibration.json)."""
     key = pass_cost_key(name, model)
-    cached = load_calibrations().get(key) or {}
+    cached = load_calibration(key)
     curves = {}
     for context in contexts:
-        known = cached.get(f"context={context}", {})
-        if not all(str(w) in known for w in widths):
+        known = cached.get(f"context={context}")
+        if not (isinstance(known, dict) and all(isinstance(known.get(str(w)), (int, float)) for w in widths)):
             known = {str(w): s for w, s in costs.time_forward(model, widths, context=context).items()}
             cached[f"context={context}"] = known
             save_calibration(key, cached)

@@ -26,7 +26,7 @@ from localspec.loading import (
 )
 from localspec.machine import check_tokenizers, situation
 from localspec.measurements import (
-    draft_format_key, dtype_key, load_calibrations, measured_costs, measured_curves, save_calibration,
+    draft_format_key, dtype_key, load_calibration, measured_costs, measured_curves, save_calibration,
 )
 from localspec.proposer_catalog import choose_proposer, registered_draft
 from localspec.registry import ModelEntry, Registry, load_registry
@@ -115,9 +115,9 @@ def choose_dtype(
     if device.type == "mps":
         return torch.float16, "float16 on MPS"
     key = dtype_key(entry.name, draft_entry.name if draft_entry else None, proposer)
-    cached = load_calibrations().get(key)
-    if cached:
-        return DTYPE_NAMES[cached["dtype"]], cached["reason"]
+    cached = load_calibration(key)
+    if cached.get("dtype") in DTYPE_NAMES:
+        return DTYPE_NAMES[cached["dtype"]], str(cached.get("reason", ""))
     notice(f"measuring float32 vs bfloat16 for {entry.name} on this CPU (once)", quiet)
     rates = {}
     for name in ("float32", "bfloat16"):
@@ -256,8 +256,8 @@ def load_draft(entry: ModelEntry, dtype: torch.dtype, device: torch.device, spec
     else:
         candidates = ("none", "int8", "int4", "w8a8", "w4a8")
         key = draft_format_key(entry.name, dtype, candidates)
-        quant = (load_calibrations().get(key) or {}).get("quant")
-        if quant is None:
+        quant = load_calibration(key).get("quant")
+        if quant not in candidates:
             notice(f"measuring the draft {entry.name}'s step in each weight format (once)", quiet)
             steps = {}
             for candidate in candidates:

@@ -61,3 +61,19 @@ def test_the_first_line_says_float32_ran(fast_int8_cpu, monkeypatch):
     target, draft, reason = session.load_models(entry, None, "ngram", "float32", SpecConfig(), quiet=True)
     assert loads == [(torch.float32, "none")] and draft is None
     assert reason == "--dtype float32"
+
+
+@pytest.mark.parametrize("entry", [[], "x", {"context=128": []}, {"context=128": {"1": "fast"}}])
+def test_a_measurement_edited_into_another_shape_is_measured_again(tmp_path, monkeypatch, entry):
+    import json
+
+    from localspec import costs, measurements
+
+    monkeypatch.setenv("LOCALSPEC_HOME", str(tmp_path))
+    model = tiny_model()
+    key = measurements.pass_cost_key("tiny", model)
+    (tmp_path / "calibration.json").write_text(json.dumps({key: entry, measurements.dtype_key("t", None, "ngram"): []}))
+    monkeypatch.setattr(costs, "time_forward", lambda model, widths, context: {w: 0.5 for w in widths})
+    assert measurements.measured_costs("tiny", model, (1,)) == {1: 0.5}
+    assert measurements.load_calibration(key) == {"context=128": {"1": 0.5}}
+    assert measurements.load_calibration(measurements.dtype_key("t", None, "ngram")) == {}
