@@ -10,6 +10,8 @@
   (calibration, pairing history, the user registry).
 - work_dir: a folder of this process's own for a long write (a download, a conversion); what a
   killed process left of its own is removed by the next one.
+- hold / remove_unless_held: a reader holds a finished cache (a shared lock on its marker file)
+  for as long as it reads it; a cleanup removes only what nobody holds.
 """
 
 from __future__ import annotations
@@ -110,3 +112,56 @@ def locked(path: Path) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
+
+
+def hold(marker: Path) -> BinaryIO | None:
+    """A shared hold on what `marker` vouches for (a finished cache folder's marker file, or a file
+    itself): while the returned file stays open, `remove_unless_held` leaves it alone. The kernel
+    drops the hold when the file is closed or the process ends. None when `marker` does not exist
+    (never finished, or removed, also while this call waited for a removal under way)."""
+    try:
+        handle = open(marker, "rb")
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    fcntl.flock(handle.fileno(), fcntl.LOCK_SH)  # waits only while a removal is under way
+    try:
+        still_there = os.path.samestat(os.fstat(handle.fileno()), os.stat(marker))
+    except OSError:
+        still_there = False
+    if not still_there:
+        handle.close()
+        return None
+    return handle
+
+
+def remove_unless_held(path: Path, marker: Path, root: Path) -> bool:
+    """Delete `path` (a folder or a file strictly inside `root`) unless a reader holds `marker` (see
+    `hold`); True if it was removed. A folder is removed under its `locked` lock, so that no finished
+    copy is moved into place meanwhile; a folder without its marker (unfinished, or half removed by
+    a killed cleanup) cannot be held and is removed."""
+    if not inside(path, root):
+        raise LocalspecError(f"refusing to remove {path}: it is not inside {root}")
+    with locked(path) if path.is_dir() else contextlib.nullcontext():
+        try:
+            handle = open(marker, "rb")
+        except FileNotFoundError:
+            handle = None
+        with handle if handle is not None else contextlib.nullcontext():
+            if handle is not None:
+                try:
+                    fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    return False
+            # a reader waiting for its hold meanwhile finds the marker gone and reads nothing here
+            if path.is_dir():
+                shutil.rmtree(path)
+            else:
+                path.unlink(missing_ok=True)
+    return True
+
+
+def size_on_disk(path: Path) -> int:
+    """Bytes of a file, or of every file in a folder (links not followed)."""
+    if not path.is_dir():
+        return path.stat().st_size if path.is_file() else 0
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file() and not p.is_symlink())

@@ -37,7 +37,7 @@ from huggingface_hub.utils.tqdm import silent_tqdm
 from localspec import loading
 from localspec.config import home_dir
 from localspec.errors import LocalspecError
-from localspec.files import inside
+from localspec.files import inside, size_on_disk
 from localspec.registry import ModelEntry, is_sha256
 
 DISK_MARGIN = 1 << 30
@@ -192,11 +192,7 @@ def check_disk_space(dest: Path, needed: int, name: str) -> None:
 
 def disk_size(entry: ModelEntry) -> int:
     """Bytes localspec keeps on disk for this model (downloads and converted caches)."""
-    total = 0
-    for root in loading.local_paths(entry):
-        files = [root] if root.is_file() else (p for p in root.rglob("*") if p.is_file() and not p.is_symlink())
-        total += sum(p.stat().st_size for p in files)
-    return total
+    return sum(size_on_disk(root) for root in loading.local_paths(entry))
 
 
 def rm(entry: ModelEntry) -> int:

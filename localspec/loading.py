@@ -2,8 +2,18 @@
 
 Weights come from the Hugging Face Hub (`localspec pull`, see hub.py: plain safetensors, loaded
 as they are) or as a GGUF file split across PyPI packages (see models.toml). Parsing and
-de-quantizing GGUF is slow, so the first load writes a plain safetensors copy per dtype under
-home_dir()/converted/ and every later load reads that copy in seconds.
+de-quantizing GGUF is slow, so the first load in a format writes a copy in that format (safetensors:
+a float dtype, or int4 / int8 weights) under home_dir()/converted/ and every later load reads that
+copy in seconds. A quantized copy is made straight from the GGUF: no float copy is written for it.
+
+Only the formats a run uses stay on disk: a float32 copy is 4 bytes a weight (7 GB for 1.5B, from a
+1.1 GB GGUF), so `discard_unused` removes, once a run's models are loaded, the copies and kernel
+layouts of those models that the run does not read; a later run that asks for one builds it again.
+A load holds what it reads (files.hold) for as long as the model lives, so no cleanup in another
+process removes it meanwhile.
+
+Progress is one line per stage (download, join, convert, quantize) on stderr; pip's and
+transformers' own output is kept out of sight (pip's is shown when pip fails).
 
 Layout under home_dir():
     models/<name>/hub/                        the hub files; `complete` (holding the revision)
@@ -13,13 +23,17 @@ Layout under home_dir():
     converted/<name>-<sha12>/<dtype>/         model.safetensors, config.json, tokenizer files,
                                               and `complete`, written last
     converted/<name>-<sha12>/<quant>/         the same for a quantized copy (int4-g32, int8)
-                                              plus quant_layout.json; read memory-mapped
+                                              plus quant_layout.json; read memory-mapped; beside
+                                              it the kernel layout a run packs from it (w4a8
+                                              blocks, torch's int4 layout)
+    (<sha12>: of the GGUF; the hub revision for a model without one)
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import gc
 import hashlib
 import json
@@ -29,16 +43,16 @@ import subprocess
 import sys
 import time
 import zipfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator, Sequence
+from typing import TYPE_CHECKING, BinaryIO, Iterator, Sequence
 
 import torch
 
 from localspec import quant as quantization
 from localspec.config import home_dir
 from localspec.errors import LocalspecError, is_out_of_memory
-from localspec.files import locked, work_dir, write_text_atomic
+from localspec.files import hold, locked, remove_unless_held, size_on_disk, work_dir, write_text_atomic
 from localspec.registry import MirrorSource, ModelEntry
 
 if TYPE_CHECKING:
@@ -67,6 +81,18 @@ class LoadedModel:
     """Weight format: none (dtype as loaded), int8, int4 or nf4 (activations then bf16), or w8a8."""
     verify_costs: dict[int, dict[int, float]] | None = None  # per context length, per width
     """Seconds of a target pass per width on the verify path in place (set by session)."""
+    cache_root: Path | None = None
+    """The folder of this model's converted copies (see discard_unused)."""
+    cache_files: tuple[Path, ...] = ()
+    """The copy and the kernel layout in cache_root that this load reads."""
+    holds: list[BinaryIO] = field(default_factory=list, repr=False)
+    """Held while the model lives (files.hold): no cleanup removes what it reads."""
+
+
+def say(progress: bool, message: str) -> None:
+    """One line on stderr (never stdout, which carries the answer) when progress is wanted."""
+    if progress:
+        print(f"localspec: {message}", file=sys.stderr, flush=True)
 
 
 def pick_device() -> torch.device:
@@ -116,11 +142,17 @@ def mark_hub_snapshot(entry: ModelEntry) -> Path:
     return hub_dir(entry)
 
 
+def _converted_root(entry: ModelEntry) -> Path:
+    """The folder of the entry's converted copies: named by its GGUF's hash, or by its hub revision."""
+    tag = entry.mirror.sha256 if entry.mirror is not None else entry.revision
+    return home_dir() / "converted" / f"{entry.name}-{tag[:12]}"
+
+
 def _converted_dirs(entry: ModelEntry) -> list[Path]:
-    """Finished converted caches of the entry, any dtype, float32 first."""
+    """Finished converted caches of the entry, any format, float32 first."""
     if entry.mirror is None:
         return []
-    root = _cache_dir(entry, torch.float32).parent
+    root = _converted_root(entry)
     return sorted((p.parent for p in root.glob(f"*/{_COMPLETE}")), key=lambda p: p.name != "float32")
 
 
@@ -137,10 +169,7 @@ def is_downloaded(entry: ModelEntry) -> bool:
 
 def local_paths(entry: ModelEntry) -> list[Path]:
     """Every file or folder localspec keeps for this model (downloads and converted caches)."""
-    paths = [model_dir(entry)]
-    if entry.mirror is not None:
-        paths.append(_cache_dir(entry, torch.float32).parent)
-    return [p for p in paths if p.exists()]
+    return [p for p in (model_dir(entry), _converted_root(entry)) if p.exists()]
 
 
 def load_tokenizer(entry: ModelEntry, *, progress: bool = True) -> "PreTrainedTokenizerBase":
@@ -152,14 +181,17 @@ def load_tokenizer(entry: ModelEntry, *, progress: bool = True) -> "PreTrainedTo
     from transformers import AutoTokenizer
 
     snapshot = hub_snapshot(entry)
-    converted = _converted_dirs(entry)
     try:
         if snapshot is not None:
             return saved_tokenizer(snapshot)
-        if converted:
-            return saved_tokenizer(converted[0])
+        for folder in _converted_dirs(entry):
+            held = hold(folder / _COMPLETE)
+            if held is not None:  # else removed since it was listed
+                with held:
+                    return saved_tokenizer(folder)
         gguf = ensure_gguf(entry, progress=progress)
-        return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        with _transformers_quiet():
+            return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     except (OSError, ValueError) as exc:
         raise LocalspecError(f"cannot read the tokenizer of {entry.name!r}: {exc}") from exc
 
@@ -235,13 +267,6 @@ def _trusted(target: Path, marker: Path, mirror: MirrorSource) -> bool:
         return False
 
 
-def _stderr_fd() -> int:
-    try:
-        return sys.stderr.fileno()
-    except (AttributeError, OSError, ValueError):  # a captured stderr (tests) has no descriptor
-        return subprocess.DEVNULL
-
-
 def _pip_download(
     entry: ModelEntry, mirror: MirrorSource, dest: Path, progress: bool, pip_args: Sequence[str]
 ) -> None:
@@ -249,22 +274,14 @@ def _pip_download(
     cmd = [
         # --only-binary: a wheel is unpacked, never built; an sdist would run its setup code here
         sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:", "--disable-pip-version-check",
-        "-d", str(dest), *pip_args, *requirements,
+        "--progress-bar", "off", "-d", str(dest), *pip_args, *requirements,
     ]
-    if progress:
-        print(f"downloading {entry.name} ({len(requirements)} package(s) from PyPI)...", file=sys.stderr)
-    # stderr is kept for the error message; pip's progress bars go to our stderr, never to stdout,
-    # which carries the answer.
-    result = subprocess.run(
-        cmd,
-        stdout=_stderr_fd() if progress else subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        errors="replace",
-    )
+    say(progress, f"downloading {entry.name} ({mirror.size / 1e9:.2f} GB in {len(requirements)} package(s) from PyPI)")
+    # pip's own lines ("Collecting", "Saved ...") are kept for the error message only
+    result = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace")
     if result.returncode != 0:
         # LocalspecError messages are shown on one line.
-        lines = [line.strip() for line in result.stderr.splitlines() if line.strip()]
+        lines = [line.strip() for line in result.stdout.splitlines() if line.strip()]
         tail = " | ".join(lines[-5:]) or "(no output)"
         raise LocalspecError(
             f"pip could not download the weights of {entry.name!r} "
@@ -329,8 +346,19 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def _cache_dir(entry: ModelEntry, dtype: torch.dtype) -> Path:
-    mirror = _mirror_of(entry)
-    return home_dir() / "converted" / f"{entry.name}-{mirror.sha256[:12]}" / _dtype_name(dtype)
+    _mirror_of(entry)  # only a GGUF is converted: without one, say how to get the model
+    return _converted_root(entry) / _dtype_name(dtype)
+
+
+@dataclass
+class _Weights:
+    """A model read from one of the caches, what it read there, and the holds on that."""
+
+    model: "PreTrainedModel"
+    tokenizer: "PreTrainedTokenizerBase"
+    files: tuple[Path, ...] = ()
+    holds: list[BinaryIO] = field(default_factory=list)
+    cold: bool = False
 
 
 def load_model(
@@ -350,18 +378,18 @@ def load_model(
     device = device if device is not None else pick_device()
     quantization.check_supported(quant, device)
     snapshot = hub_snapshot(entry)
-    cold = False
     if quant != "none":
         dtype = quantization.compute_dtype(quant)
-    with _transformers_quiet(progress):
+    with _transformers_quiet():
         if quant != "none" and not quantization.uses_bitsandbytes(quant, device):
-            model, tokenizer, cold = _load_quantized(entry, quant, snapshot, progress, pip_args)
+            weights = _load_quantized(entry, quant, snapshot, progress, pip_args)
             if quant == "w8a8":
-                quantization.quantize_activations(model)
+                quantization.quantize_activations(weights.model)
         elif snapshot is not None:
-            model, tokenizer = _load_snapshot(entry, snapshot, dtype)
+            weights = _Weights(*_load_snapshot(entry, snapshot, dtype))
         else:
-            model, tokenizer, cold = _load_converted(entry, dtype, progress, pip_args)
+            weights = _load_converted(entry, dtype, progress, pip_args)
+    model, tokenizer = weights.model, weights.tokenizer
 
     place(model, quant, device)
     model.eval()
@@ -380,8 +408,11 @@ def load_model(
         device=device,
         context_len=int(model.config.max_position_embeddings),
         load_seconds=time.perf_counter() - start,
-        cold=cold,
+        cold=weights.cold,
         quant=quant,
+        cache_root=_converted_root(entry),
+        cache_files=weights.files,
+        holds=weights.holds,
     )
 
 
@@ -404,17 +435,17 @@ def release_memory() -> None:
         torch.mps.empty_cache()
 
 
-def _load_converted(entry: ModelEntry, dtype: torch.dtype, progress: bool, pip_args: Sequence[str]):
-    """(model, tokenizer, cold) from the converted cache for `dtype`, converting on first use."""
-    target = _cache_dir(entry, dtype)
-    cold = False
-    loaded = _load_cache(entry, target, dtype, progress)
-    if loaded is None:
-        cold = _build_cache(entry, dtype, progress, pip_args)
-        loaded = _load_cache(entry, target, dtype, progress)
-        if loaded is None:
-            raise LocalspecError(f"the converted copy of {entry.name!r} in {target} is unreadable")
-    return (*loaded, cold)
+def _load_converted(entry: ModelEntry, dtype: torch.dtype, progress: bool, pip_args: Sequence[str]) -> _Weights:
+    """The converted cache for `dtype`, made on first use."""
+    path = _cache_dir(entry, dtype)
+    weights = _load_cache(entry, path, dtype, progress)
+    if weights is None:
+        cold = _build_float_cache(entry, dtype, progress, pip_args)
+        weights = _load_cache(entry, path, dtype, progress)
+        if weights is None:
+            raise LocalspecError(f"the converted copy of {entry.name!r} in {path} is unreadable")
+        weights.cold = cold
+    return weights
 
 
 # --- quantized copies ------------------------------------------------------------------------
@@ -422,29 +453,28 @@ def _load_converted(entry: ModelEntry, dtype: torch.dtype, progress: bool, pip_a
 
 def _quant_dir(entry: ModelEntry, quant: str) -> Path:
     name = f"{quant}-g{quantization.GROUP_SIZE}" if quant == "int4" else quant
-    if entry.mirror is not None:
-        return _cache_dir(entry, torch.float32).parent / name
-    return home_dir() / "converted" / f"{entry.name}-{entry.revision[:12]}" / name
+    return _converted_root(entry) / name
 
 
-def _load_quantized(entry: ModelEntry, run_as: str, snapshot: Path | None, progress: bool, pip_args: Sequence[str]):
-    """(model, tokenizer, cold) from the quantized cache of the format `run_as` runs on,
-    quantizing the float32 weights on first use.
+def _load_quantized(entry: ModelEntry, run_as: str, snapshot: Path | None, progress: bool,
+                    pip_args: Sequence[str]) -> _Weights:
+    """The quantized cache of the format `run_as` runs on, made on first use from the float32
+    weights: the hub download, a float32 copy already here, or else straight from the GGUF (no
+    float copy is written for it).
 
     The cache is read back even right after writing it, so the first run computes with exactly
     the weights every later run loads.
     """
     quant = quantization.stored_format(run_as)
     path = _quant_dir(entry, quant)
-    cold = False
-    loaded = _load_quant_cache(entry, path, progress, run_as)
-    if loaded is None:
+    weights = _load_quant_cache(entry, path, progress, run_as)
+    if weights is None:
+        cold = False
         if snapshot is not None:
             model, tokenizer = _load_snapshot(entry, snapshot, torch.float32)
         else:
-            model, tokenizer, cold = _load_converted(entry, torch.float32, progress, pip_args)
-        if progress:
-            print(f"quantizing {entry.name} to {quant} (first load only)...", file=sys.stderr, flush=True)
+            model, tokenizer, cold = _float_source(entry, progress, pip_args)
+        say(progress, f"quantizing {entry.name} to {quant} (once)")
         layout = quantization.quantize_model(model, quant, torch.device("cpu"))
         model.to(quantization.COMPUTE_DTYPE)  # what is left in float: norms, embedding, biases
         with _staging(path) as tmp:
@@ -452,24 +482,28 @@ def _load_quantized(entry: ModelEntry, run_as: str, snapshot: Path | None, progr
             write_text_atomic(tmp / _QUANT_LAYOUT, json.dumps(layout, indent=1) + "\n")
         del model
         gc.collect()
-        loaded = _load_quant_cache(entry, path, progress, run_as)
-        if loaded is None:
+        weights = _load_quant_cache(entry, path, progress, run_as)
+        if weights is None:
             raise LocalspecError(f"the quantized copy of {entry.name!r} in {path} is unreadable")
-    return (*loaded, cold)
+        weights.cold = cold
+    return weights
 
 
-def _load_quant_cache(entry: ModelEntry, path: Path, progress: bool, run_as: str):
-    """(model, tokenizer) from a finished quantized cache; None if missing (removed if unreadable).
+def _load_quant_cache(entry: ModelEntry, path: Path, progress: bool, run_as: str) -> _Weights | None:
+    """The model in a finished quantized cache, held; None if missing (removed if unreadable).
 
     The model is built on the meta device (no memory, no random init), the quantized modules are
     put in place, and the tensors are adopted straight from the memory-mapped file; then the
-    kernel layout of the format it runs as (`run_as`) is read from beside it.
+    kernel layout of the format it runs as (`run_as`) is read from beside it (packed and stored
+    there the first time).
     """
-    if not (path / _COMPLETE).is_file():
+    held = hold(path / _COMPLETE)
+    if held is None:
         return None
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
+    layout_file = path / (quantization.W4A8_LAYOUT if run_as == "w4a8" else _cpu_layout_name())
     try:
         layout = json.loads((path / _QUANT_LAYOUT).read_text(encoding="utf-8"))
         config = AutoConfig.from_pretrained(path)
@@ -482,28 +516,78 @@ def _load_quant_cache(entry: ModelEntry, path: Path, progress: bool, run_as: str
         model.load_state_dict(state, strict=True, assign=True)
         _materialize_buffers(model)
         if run_as == "w4a8":
-            quantization.use_w4a8(model, path / quantization.W4A8_LAYOUT)
+            quantization.use_w4a8(model, layout_file)
         else:
-            quantization.prepare_for_cpu(model, path / _cpu_layout_name())
+            quantization.prepare_for_cpu(model, layout_file)
         if (path / "generation_config.json").is_file():
             model.generation_config = GenerationConfig.from_pretrained(path)
         tokenizer = saved_tokenizer(path)
-        return model, tokenizer
-    except LocalspecError:  # the kernel cannot run here: the files are fine
-        raise
     except Exception as exc:
-        if is_out_of_memory(exc):  # the files are fine, the machine is short of memory
+        held.close()
+        # the kernel cannot run here (LocalspecError), or the machine is short of memory: the files are fine
+        if isinstance(exc, LocalspecError) or is_out_of_memory(exc):
             raise
-        if progress:
-            print(f"the quantized copy of {entry.name} in {path} is unreadable ({first_line(exc)}); "
-                  "quantizing it again", file=sys.stderr)
-        shutil.rmtree(path, ignore_errors=True)
+        _discard_unreadable(entry, path, exc, progress, "quantizing it again")
         return None
+    holds = [held]
+    if (layout_held := hold(layout_file)) is not None:  # absent when the format has no layout
+        holds.append(layout_held)
+    return _Weights(model, tokenizer, (path, layout_file), holds)
+
+
+def _discard_unreadable(entry: ModelEntry, path: Path, exc: Exception, progress: bool, then: str) -> None:
+    """Remove a cache that failed to load (truncated file, half-deleted dir, ...) so that the caller
+    makes it again instead of failing on every start; one that another process holds stays."""
+    say(progress, f"the copy of {entry.name} in {path} is unreadable ({first_line(exc)}); {then}")
+    remove_unless_held(path, path / _COMPLETE, home_dir() / "converted")
 
 
 def _cpu_layout_name() -> str:
     """The CPU kernels' own weight layout depends on the torch build that made it."""
     return f"cpu-layout-torch{torch.__version__.replace('+', '-')}.pt"
+
+
+_KERNEL_LAYOUTS = (quantization.W4A8_LAYOUTS, "cpu-layout-torch*.pt")
+"""Every name a kernel layout beside a quantized cache has had (other versions, other torch builds)."""
+
+
+# --- what stays on disk ----------------------------------------------------------------------
+
+
+def discard_unused(*models: LoadedModel | None) -> int:
+    """Remove from these models' converted copies what none of them reads: float copies a
+    quantized run does not need, formats measured and not chosen, kernel layouts of another format
+    or of an older version. Call it once a run's models are loaded. Downloads stay, and so does
+    whatever a model loaded anywhere holds (files.hold); a later run that needs a removed copy
+    makes it again. Returns the bytes freed."""
+    used: dict[Path, set[Path]] = {}
+    for loaded in models:
+        if loaded is not None and loaded.cache_root is not None:
+            used.setdefault(loaded.cache_root, set()).update(loaded.cache_files)
+    freed = 0
+    for root, files in used.items():
+        for path, marker in _unused(root, files):
+            size = size_on_disk(path)
+            if remove_unless_held(path, marker, home_dir() / "converted"):
+                freed += size
+    return freed
+
+
+def _unused(root: Path, used: set[Path]) -> Iterator[tuple[Path, Path]]:
+    """(path, the marker whose holders keep it) of each copy in `root` and each kernel layout beside
+    a copy in use that `used` does not name."""
+    if not root.is_dir():
+        return
+    for folder in sorted(root.iterdir()):
+        if folder.name.startswith(".") or not folder.is_dir():
+            continue  # lock files, and writes in progress (files.work_dir; swept by the next writer)
+        if folder not in used:
+            yield folder, folder / _COMPLETE
+            continue
+        for pattern in _KERNEL_LAYOUTS:
+            for layout in sorted(folder.glob(pattern)):
+                if layout not in used:
+                    yield layout, layout
 
 
 def _materialize_buffers(model: torch.nn.Module) -> None:
@@ -519,28 +603,20 @@ def _materialize_buffers(model: torch.nn.Module) -> None:
         raise ValueError(f"tensors missing from the cache: {missing[:3]}")
 
 
-def _load_cache(entry: ModelEntry, path: Path, dtype: torch.dtype, progress: bool):
-    """(model, tokenizer) from a finished cache dir on the CPU; None if missing or unreadable.
-
-    An unreadable cache (truncated file, half-deleted dir, ...) is removed so that the caller
-    converts again instead of failing on every start.
-    """
-    if not (path / _COMPLETE).is_file():
+def _load_cache(entry: ModelEntry, path: Path, dtype: torch.dtype, progress: bool) -> _Weights | None:
+    """The model in a finished float cache, on the CPU, held; None if missing (removed if unreadable)."""
+    held = hold(path / _COMPLETE)
+    if held is None:
         return None
     try:
-        return _from_pretrained(entry, path, dtype)
-    except LocalspecError:  # out of memory: the files are fine
-        raise
+        model, tokenizer = _from_pretrained(entry, path, dtype)
     except Exception as exc:
-        if progress:
-            reason = first_line(exc)
-            print(
-                f"the cached conversion of {entry.name} in {path} is unreadable ({reason}); "
-                "converting it again",
-                file=sys.stderr,
-            )
-        shutil.rmtree(path, ignore_errors=True)
+        held.close()
+        if isinstance(exc, LocalspecError):  # out of memory: the files are fine
+            raise
+        _discard_unreadable(entry, path, exc, progress, "converting it again")
         return None
+    return _Weights(model, tokenizer, (path,), [held])
 
 
 def _load_snapshot(entry: ModelEntry, path: Path, dtype: torch.dtype):
@@ -615,58 +691,58 @@ def first_line(exc: BaseException) -> str:
     return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
 
 
-def _build_cache(entry: ModelEntry, dtype: torch.dtype, progress: bool, pip_args: Sequence[str]) -> bool:
-    """Write the cache dir for `dtype`; returns True if GGUF had to be parsed for it."""
-    fp32_dir = _cache_dir(entry, torch.float32)
-    if dtype == torch.float32:
-        _convert_from_gguf(entry, fp32_dir, progress, pip_args)
-        return True
-
-    # Other dtypes are cast from the float32 copy, so GGUF is parsed once per model.
-    cold = False
-    source = _load_cache(entry, fp32_dir, dtype, progress)
-    if source is None:
-        _convert_from_gguf(entry, fp32_dir, progress, pip_args)
-        cold = True
-        source = _load_cache(entry, fp32_dir, dtype, progress)
-        if source is None:
-            raise LocalspecError(f"the converted copy of {entry.name!r} in {fp32_dir} is unreadable")
-    model, tokenizer = source
-    with _staging(_cache_dir(entry, dtype)) as tmp:
-        _write_cache(model, tokenizer, tmp)
-    return cold
+def _float_source(entry: ModelEntry, progress: bool, pip_args: Sequence[str]):
+    """(model, tokenizer, cold): the entry's float32 weights to make a copy from, and whether the
+    GGUF had to be parsed for them (else the float32 copy was here: read in seconds, and not held,
+    since what is made from it is a copy)."""
+    cached = _load_cache(entry, _cache_dir(entry, torch.float32), torch.float32, progress)
+    if cached is not None:
+        for held in cached.holds:
+            held.close()
+        return cached.model, cached.tokenizer, False
+    return (*_read_gguf(entry, progress, pip_args), True)
 
 
-def _convert_from_gguf(entry: ModelEntry, out_dir: Path, progress: bool, pip_args: Sequence[str]) -> None:
+def _read_gguf(entry: ModelEntry, progress: bool, pip_args: Sequence[str]):
+    """(model, tokenizer) as the GGUF holds them, de-quantized to float32 (a minute for 1.5B)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    gguf_path = ensure_gguf(entry, progress=progress, pip_args=pip_args)
-    if progress:
-        print(f"converting {entry.name} from GGUF (first load only, about a minute)...", file=sys.stderr)
-    with _staging(out_dir) as tmp:
-        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-        model = AutoModelForCausalLM.from_pretrained(
-            gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
-        )
-        model.eval()
-        probe = _probe_ids(tokenizer, model.config.vocab_size)
-        with torch.no_grad():
-            expected = model(probe).logits
+    gguf = ensure_gguf(entry, progress=progress, pip_args=pip_args)
+    say(progress, f"converting {entry.name} from GGUF (once per weight format)")
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    return model.eval(), tokenizer
+
+
+def _build_float_cache(entry: ModelEntry, dtype: torch.dtype, progress: bool, pip_args: Sequence[str]) -> bool:
+    """Write the converted cache for `dtype` (cast from the float32 weights), checked: the written
+    copy must give exactly the logits of the weights it was written from. Returns True if the GGUF
+    had to be parsed for it."""
+    from transformers import AutoModelForCausalLM
+
+    model, tokenizer, cold = _float_source(entry, progress, pip_args)
+    # the weights only, as from_pretrained(dtype=...) casts them: buffers computed at init (rotary
+    # frequencies) stay float32 there, and must here for the check below to hold
+    for parameter in model.parameters():
+        parameter.data = parameter.data.to(dtype)
+    probe = _probe_ids(tokenizer, model.config.vocab_size)
+    with torch.no_grad():
+        expected = model(probe).logits
+    with _staging(_cache_dir(entry, dtype)) as tmp:
         _write_cache(model, tokenizer, tmp)
-        # Free the GGUF-loaded copy before reading the written one back: for the 1.5B model
-        # two float32 copies would need 12 GB.
+        # Free the source before reading the written copy back: for the 1.5B model two float32
+        # copies would need 12 GB.
         del model
         gc.collect()
-
-        reloaded = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32)
-        reloaded.eval()
+        reloaded = AutoModelForCausalLM.from_pretrained(tmp, dtype=dtype).eval()
         with torch.no_grad():
             got = reloaded(probe).logits
         if not torch.equal(expected, got):
             raise LocalspecError(
-                f"converting {entry.name!r} from GGUF changed its output (largest logit "
+                f"the {_dtype_name(dtype)} copy of {entry.name!r} changed its output (largest logit "
                 f"difference {(expected - got).abs().max().item():.3g}); this is a bug in localspec"
             )
+    return cold
 
 
 def _probe_ids(tokenizer, vocab_size: int) -> torch.Tensor:
@@ -741,18 +817,17 @@ def _write_cache(model, tokenizer, out_dir: Path) -> None:
 
 
 @contextlib.contextmanager
-def _transformers_quiet(progress: bool) -> Iterator[None]:
-    """Hide transformers' progress bars when the caller asked for no progress output."""
-    if progress:
-        yield
-        return
-    import functools
-
+def _transformers_quiet() -> Iterator[None]:
+    """Keep transformers' own progress bars ("Loading weights", the GGUF de-quantizer's) and its
+    log lines out of sight during a load: a load shows localspec's one line per stage instead, and
+    what goes wrong is raised (a missing tensor is checked in _from_pretrained)."""
     from transformers import modeling_gguf_pytorch_utils as gguf_utils
     from transformers.utils import logging as hf_logging
 
-    was_enabled = hf_logging.is_progress_bar_enabled()
+    bars_were_on = hf_logging.is_progress_bar_enabled()
+    verbosity = hf_logging.get_verbosity()
     hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
     # The GGUF de-quantizer uses plain tqdm, which the switch above does not reach.
     gguf_tqdm = getattr(gguf_utils, "tqdm", None)
     if gguf_tqdm is not None:
@@ -762,5 +837,6 @@ def _transformers_quiet(progress: bool) -> Iterator[None]:
     finally:
         if gguf_tqdm is not None:
             gguf_utils.tqdm = gguf_tqdm
-        if was_enabled:
+        hf_logging.set_verbosity(verbosity)
+        if bars_were_on:
             hf_logging.enable_progress_bar()

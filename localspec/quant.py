@@ -40,6 +40,8 @@ COMPUTE_DTYPE = torch.bfloat16
 
 W4A8_LAYOUT = "w4a8-blocks-v2.pt"
 """The w4a8 kernel's packed weights, beside the int4 cache (the name changes with the layout)."""
+W4A8_LAYOUTS = "w4a8-blocks-*.pt"
+"""The names of every version of that layout (older ones are left by earlier localspec versions)."""
 
 
 def stored_format(quant: str) -> str:
@@ -135,20 +137,18 @@ def prepare_for_cpu(model: torch.nn.Module, layout_file: Path) -> None:
             m.align()
     if not int4 or not cpu_int4_supported():
         return
-    if layout_file.is_file():
+    try:
         # torch's own format: every tensor starts 64-byte aligned; read eagerly, since every byte is
         # used at once (faulting a memory map in page by page measured 4x slower)
         stored = torch.load(layout_file, weights_only=True)
+    except FileNotFoundError:  # not made yet, or removed by a cleanup since (loading.discard_unused)
+        stored = None
+    if stored is not None:
         for name, m in int4.items():
             m.adopt_cpu_layout({part: stored[f"{name}.{part}"] for part in ("weight", "scale_zeros")})
         return
     tensors = {f"{name}.{part}": t for name, m in int4.items() for part, t in m.cpu_layout(COMPUTE_DTYPE).items()}
-    partial = layout_file.with_name(layout_file.name + ".partial")
-    try:
-        torch.save(tensors, partial)
-        partial.replace(layout_file)
-    except Exception:  # a read-only or full disk only costs the next load these seconds again
-        partial.unlink(missing_ok=True)
+    _save_layout(tensors, layout_file)
 
 
 def quantize_activations(model: torch.nn.Module) -> None:
@@ -183,7 +183,7 @@ def use_w4a8(model: torch.nn.Module, blocks_file: Path | None) -> None:
         for name, layer in zip(names, cpu_w4a8.fuse([int4[n] for n in names], kernel, blocks)):
             _replace(model, name, layer)
     if stored is None and blocks_file is not None:
-        _save_blocks(packed, blocks_file)
+        _save_layout(packed, blocks_file)
     embedding = model.get_input_embeddings()
     for module in model.modules():
         if module is embedding:
@@ -226,9 +226,9 @@ def _read_blocks(blocks_file: Path, groups: list[list[str]], int4: dict[str, tor
         return None
 
 
-def _save_blocks(tensors: dict[str, torch.Tensor], path: Path) -> None:
-    """Store the packed blocks (atomically); a read-only or full disk only costs the next load the
-    packing again."""
+def _save_layout(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """Store a kernel layout beside its cache (atomically); a read-only or full disk, or a cache
+    removed meanwhile, only costs the next load the packing again."""
     try:
         write_atomic(path, lambda out: torch.save(tensors, out), durable=False)
     except Exception:
