@@ -537,9 +537,10 @@ def _load_quant_cache(entry: ModelEntry, path: Path, progress: bool, run_as: str
 
 def _discard_unreadable(entry: ModelEntry, path: Path, exc: Exception, progress: bool, then: str) -> None:
     """Remove a cache that failed to load (truncated file, half-deleted dir, ...) so that the caller
-    makes it again instead of failing on every start; one that another process holds stays."""
+    makes it again instead of failing on every start. Held or not: no one can load it any more, and
+    a model loaded before the damage keeps what it read (a removed file's data stays while open)."""
     say(progress, f"the copy of {entry.name} in {path} is unreadable ({first_line(exc)}); {then}")
-    remove_unless_held(path, path / _COMPLETE, home_dir() / "converted")
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def _cpu_layout_name() -> str:

@@ -151,6 +151,14 @@ def test_what_a_loaded_model_reads_is_never_removed_in_this_process_or_another(h
     assert formats(home) == ["int8"]
 
 
+def test_a_damaged_copy_is_made_again_even_while_a_model_loaded_from_it_lives(home, gguf_reads):
+    first = loading.load_model(entry(), torch.float32, quant="int8", progress=False)
+    expected = logits(first)
+    (loading._quant_dir(entry(), "int8") / "model.safetensors").write_bytes(b"garbage")
+    again = loading.load_model(entry(), torch.float32, quant="int8", progress=False)
+    assert again.cold and torch.equal(logits(again), expected)
+
+
 def test_hold_and_removal(tmp_path):
     root = tmp_path / "root"
     folder = root / "copy"
