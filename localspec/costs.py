@@ -3,8 +3,7 @@
 On a CPU a verify pass of several tokens is not free (fp32) or nearly free (bf16 with AMX); on a
 GPU it is nearly free up to tens of tokens. So nothing here is a constant: a short calibration
 times real forward passes on this machine (`time_forward`; measurements.py keeps what it measured), and
-each pass picks the draft length with the best expected tokens per second for the acceptance seen
-so far.
+the draft policy (policy.py) sizes each pass's draft on these numbers.
 """
 
 from __future__ import annotations
@@ -55,45 +54,6 @@ class CostModel:
             return _interpolate(self.verify_seconds, width)
         return _interpolate({c: _interpolate(curve, width) for c, curve in self.by_context.items()}, self.context)
 
-    def expected_rate(self, acceptance: float, draft_len: int, free: bool = False) -> float:
-        """Expected tokens per second with this draft length (i.i.d. acceptance per position);
-        `free`: the guesses cost no draft steps (a lookup riding along a model proposer)."""
-        a = min(max(acceptance, 0.0), 0.999)
-        tokens = (1.0 - a ** (draft_len + 1)) / (1.0 - a)
-        steps = 0.0 if free else draft_len * self.draft_step_seconds
-        return tokens / (steps + self.verify(draft_len + 1))
-
-    def best_draft_len(self, acceptance: float, max_len: int, free: bool = False) -> int:
-        return max(range(max_len + 1), key=lambda g: self.expected_rate(acceptance, g, free))
-
-class AcceptanceTracker:
-    """Per-token acceptance probability, an exponentially decayed estimate over recent passes.
-
-    A pass that accepted k of g drafted tokens saw k successes and, when k < g, one failure.
-    A pass without a draft says nothing new, so the estimate drifts back towards the prior: after a
-    bad stretch that made drafting look useless, the policy tries again a little later instead of
-    never drafting again.
-    """
-
-    def __init__(self, prior: float = 0.6, weight: float = 3.0, decay: float = 0.9) -> None:
-        self.prior = prior
-        self.weight = weight
-        self.successes = prior * weight
-        self.trials = weight
-        self.decay = decay
-
-    def update(self, drafted: int, accepted: int) -> None:
-        if drafted == 0:
-            self.successes = self.decay * self.successes + (1 - self.decay) * self.prior * self.weight
-            self.trials = self.decay * self.trials + (1 - self.decay) * self.weight
-            return
-        self.successes = self.decay * self.successes + accepted
-        self.trials = self.decay * self.trials + accepted + (1 if accepted < drafted else 0)
-
-    @property
-    def rate(self) -> float:
-        return self.successes / self.trials
-
 
 @torch.inference_mode()
 def time_forward(model: torch.nn.Module, widths: tuple[int, ...], repeats: int = 4, context: int = CALIBRATION_PREFIX) -> dict[int, float]:
@@ -134,49 +94,3 @@ def _sync(device: torch.device) -> None:
 
 def cost_model(curves: dict[int, dict[int, float]], draft_step_seconds: float = 0.0) -> CostModel:
     return CostModel(curves[min(curves)], draft_step_seconds, dict(curves))
-
-
-class SpeedGuard:
-    """The kill switch: when speculative passes measure slower than plain decoding would be (the
-    calibrated one-token pass), speculation pauses for a while, then is tried again.
-
-    The cost model already drafts less as acceptance falls; this catches what it cannot see, such
-    as a draft model slowed by other work on the machine.
-    """
-
-    def __init__(self, costs: CostModel, window: int = 16, pause: int = 16, margin: float = 0.85) -> None:
-        # plain decoding's rate is read from the same cost model the drafts are sized by, at the
-        # context the passes ran at
-        self.costs = costs
-        # a pass also pays for the loop around the forward, which the calibration leaves out: only
-        # a clear loss (below `margin` of plain decoding's rate) switches speculation off
-        self.margin = margin
-        self.window = window
-        self.pause = pause
-        self.recent: list[tuple[int, float, float]] = []  # (tokens committed, seconds, plain seconds per token) of speculative passes
-        self.paused_for = 0
-
-    @property
-    def allows(self) -> bool:
-        return self.paused_for == 0
-
-    def record(self, drafted: int, tokens: int, seconds: float) -> str:
-        """Account one pass; returns a notice when speculation is switched off, else ''."""
-        if self.paused_for:
-            self.paused_for -= 1
-            return ""
-        if drafted == 0:
-            return ""
-        self.recent = [*self.recent, (tokens, seconds, self.costs.verify(1))][-self.window :]
-        if len(self.recent) < self.window:
-            return ""
-        rate = sum(t for t, _, _ in self.recent) / sum(s for _, s, _ in self.recent)
-        plain_rate = self.margin * sum(t for t, _, _ in self.recent) / sum(t * p for t, _, p in self.recent)
-        if rate >= plain_rate:
-            return ""
-        self.recent = []
-        self.paused_for = self.pause
-        return (
-            f"speculation paused: {rate:.1f} tok/s over the last {self.window} passes, clearly below plain "
-            f"decoding; trying again in {self.pause} passes"
-        )

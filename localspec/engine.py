@@ -8,7 +8,6 @@ both checks the draft and yields the target's own next token.
 from __future__ import annotations
 
 import time
-from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -16,15 +15,15 @@ import torch
 
 from localspec.attention import RowPlan, use_exact_attention
 from localspec.config import GenerationLimits, SamplingConfig, SpecConfig
-from localspec.costs import AcceptanceTracker, CostModel, SpeedGuard
+from localspec.costs import CostModel
 from localspec.errors import LocalspecError, is_out_of_memory
-from localspec.kv import KVCache
+from localspec.kv import CachedTokens, KVCache
+from localspec.policy import DraftPolicy, Proposal
 from localspec.proposers.base import Proposer
-from localspec.proposers.draft_model import common_prefix
 from localspec.proposers.ngram import NgramProposer
 from localspec.sampling import make_generator
 from localspec.stats import GenerationStats
-from localspec.tree import Draft, graft, matched_path, verify_inputs, visible_rows
+from localspec.tree import Draft, graft, verify_inputs, visible_rows
 from localspec.verify import verify
 
 PREFILL_CHUNK = 512
@@ -37,17 +36,6 @@ class Piece:
     token_id: int
     from_draft: bool
     """True when a proposer guessed this token and the target accepted it."""
-
-
-@dataclass
-class Proposal:
-    """What one pass verifies, and whose guesses it holds: each part is judged on its own."""
-
-    draft: Draft
-    model: Draft | None = None
-    """The model proposer's own guesses (draft model, EAGLE), when it drafted this pass."""
-    lookup: Draft | None = None
-    """Prompt lookup's guesses (a chain), judged under their label."""
 
 
 @dataclass
@@ -149,25 +137,18 @@ class Engine:
         use_exact_attention(model)  # verify passes must compute each row as plain decoding would
         self.tokenizer = tokenizer
         self.proposer = proposer
-        self.spec = spec
         self.costs = costs
         self.context_len = context_len or model.config.max_position_embeddings
         self.proposer_reason = proposer_reason
         self.device = next(model.parameters()).device
         self.eos = eos_ids(model, tokenizer) if tokenizer is not None else set()
         self.kv = KVCache()
-        self.kv_tokens: list[int] = []  # the token ids whose keys/values self.kv holds
-        self.acceptance: dict[str, AcceptanceTracker] = defaultdict(AcceptanceTracker)
+        self.kv_tokens = CachedTokens(self.kv.truncate)
         # a model proposer also carries prompt lookup's guesses: free, and right where text repeats
         self.lookup = NgramProposer(spec.ngram_min, spec.ngram_max) if spec.lookup and proposer is not None and proposer.has_model else None
-        self.model_rate: float | None = None
-        """Tokens per second of the passes the model proposer drafted for (a running average)."""
-        self.lookup_evidence: dict[str, AcceptanceTracker] = defaultdict(lambda: AcceptanceTracker(prior=0.0))
-        """Per lookup label, acceptance believed only from what was seen: skipping the model on a
-        guess is a bet, so it is made on evidence (the grafted branch gathers it for free)."""
+        self.policy = DraftPolicy(spec, costs)
         self.max_nodes = 64
         """Most draft nodes per pass; halved when a wide pass runs out of memory."""
-        self.guard = SpeedGuard(costs) if costs is not None else None
         self.stats = GenerationStats()
 
     @property
@@ -176,8 +157,7 @@ class Engine:
 
     def forget(self) -> None:
         """Drop the cached conversation: the next prompt is prefilled from scratch (benchmarks)."""
-        self.kv.truncate(0)
-        self.kv_tokens.clear()
+        self.kv_tokens.follow([])
 
     # -- prompt ---------------------------------------------------------------------------------
 
@@ -202,7 +182,7 @@ class Engine:
         try:
             return self._forward_unguarded(ids, positions, mask, keep, plan)
         except BaseException:
-            self.kv.truncate(len(self.kv_tokens))
+            self.kv_tokens.restore()
             raise
 
     def _forward_unguarded(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None, keep: int,
@@ -221,12 +201,7 @@ class Engine:
     def _prefill(self, tokens: list[int]) -> None:
         """Bring the cache to hold tokens[:-1], reusing the longest prefix it already holds."""
         target = tokens[:-1]
-        keep = 0
-        limit = min(len(self.kv_tokens), len(target))
-        while keep < limit and self.kv_tokens[keep] == target[keep]:
-            keep += 1
-        self.kv.truncate(keep)
-        del self.kv_tokens[keep:]
+        keep = self.kv_tokens.follow(target)
         for start in range(keep, len(target), PREFILL_CHUNK):
             chunk = target[start : start + PREFILL_CHUNK]
             ids = torch.tensor([chunk], dtype=torch.long)
@@ -235,115 +210,43 @@ class Engine:
             self.kv_tokens.extend(chunk)
             self._observe(start, None)
 
-    def _lookup_len(self, label: str, limit: int) -> int:
-        """Tokens of a lookup guess worth verifying: fixed, or the best expected rate under the
-        measured verify costs (a lookup's guesses cost no draft steps) and the acceptance seen so
-        far for this label."""
-        if self.spec.draft_len is not None:
-            wanted = self.spec.draft_len
-        elif self.costs is not None:
-            wanted = self.costs.best_draft_len(self.acceptance[label].rate, self.spec.max_draft_len, free=True)
-        else:
-            wanted = min(4, self.spec.max_draft_len)
-        return max(0, min(wanted, limit))
-
-    def _confidence_tracker(self, confidence: float) -> AcceptanceTracker:
-        """How often guesses of about this confidence are accepted (ten bins, learned as we go).
-
-        A sibling draft is accepted more often than its own confidence says (the two models share
-        their doubts), so each bin starts halfway between its confidence and certainty, and the
-        measurements take over from there.
-        """
-        b = min(int(confidence * 10), 9)
-        label = f"confidence-{b}"
-        if label not in self.acceptance:
-            self.acceptance[label] = AcceptanceTracker(prior=(1 + (b + 0.5) / 10) / 2)
-        return self.acceptance[label]
-
-    def _worth_another(self, confidences: list[float]) -> bool:
-        """Whether keeping the newest guess raises the expected tokens per second of this pass,
-        with each guess's acceptance estimated from the bin of its confidence."""
-        k = len(confidences)
-        expected = [1.0]  # tokens this pass yields on average with 0, 1, ..., k guesses
-        survive = 1.0
-        for c in confidences:
-            survive *= self._confidence_tracker(c).rate
-            expected.append(expected[-1] + survive)
-        step = self.costs.draft_step_seconds
-        without = expected[k - 1] / ((k - 1) * step + self.costs.verify(k))
-        with_it = expected[k] / (k * step + self.costs.verify(k + 1))
-        if with_it > without:
-            return True
-        # a refused guess is never judged: let its bin drift back to its prior, so it is tried again
-        self._confidence_tracker(confidences[-1]).update(0, 0)
-        return False
-
     def _propose(self, tokens: list[int], room: int, sampling: SamplingConfig, generator) -> Proposal:
         """This pass's guesses: at most room - 1 tokens, so the pass's own token fits too."""
-        nothing = Proposal(Draft.chain([]))
-        if self.proposer is None or room <= 1 or (self.guard is not None and not self.guard.allows):
-            return nothing
         limit = min(room - 1, self.max_nodes)
+        if self.proposer is None or limit <= 0 or not self.policy.allows:
+            return Proposal(Draft.chain([]))
         try:
             if not self.proposer.has_model:
                 guess = self._lookup_guess(self.proposer, tokens, limit, sampling, generator)
                 return Proposal(guess, lookup=guess)
             guess = self._lookup_guess(self.lookup, tokens, limit, sampling, generator) if self.lookup else Draft.chain([])
-            if len(guess) and self._lookup_alone_pays(guess):
+            if len(guess) and self.policy.lookup_alone_pays(guess):
                 self.stats.lookup_passes += 1
                 return Proposal(guess, lookup=guess)
-            own = self._model_draft(tokens, limit - len(guess), sampling, generator)
+            wanted = self.policy.model_len(limit - len(guess), self.proposer.builds_trees)
+            own = self.proposer.propose(tokens, wanted, sampling, generator, self.policy.stop_rule) if wanted > 0 else Draft.chain([])
             return Proposal(graft(own, guess.tokens), model=own, lookup=guess if len(guess) else None)
         except Exception as exc:  # a broken proposer must not end the stream: go on plainly
             self.stats.notices.append(f"proposer failed ({exc!r}); continuing with plain decoding")
             self.proposer.close()
             self.proposer = self.lookup = None
-            return nothing
+            return Proposal(Draft.chain([]))
 
     def _lookup_guess(self, lookup: Proposer, tokens: list[int], limit: int, sampling: SamplingConfig, generator) -> Draft:
         """A lookup guesses as far as it can for free; keep the prefix that pays for its label."""
-        guess = lookup.propose(tokens, min(limit, self.spec.draft_len or self.spec.max_draft_len), sampling, generator)
-        return guess.first(self._lookup_len(guess.label, len(guess)))
+        guess = lookup.propose(tokens, self.policy.chain_limit(limit), sampling, generator)
+        return guess.first(self.policy.lookup_len(guess.label, len(guess)))
 
-    def _lookup_alone_pays(self, guess: Draft) -> bool:
-        """Whether verifying the lookup's guess alone is expected to beat the model proposer's
-        measured rate, so this pass need not spend the model's drafting time."""
-        if self.costs is None or self.model_rate is None:
-            return False
-        return self.costs.expected_rate(self.lookup_evidence[guess.label].rate, len(guess), free=True) >= self.model_rate
-
-    def _model_draft(self, tokens: list[int], limit: int, sampling: SamplingConfig, generator) -> Draft:
-        if limit <= 0:
-            return Draft.chain([])
-        if self.proposer.builds_trees:  # sized by the proposer from the same measured costs
-            return self.proposer.propose(tokens, limit, sampling, generator)
-        if self.spec.draft_len is not None:
-            return self.proposer.propose(tokens, min(self.spec.draft_len, limit), sampling, generator)
-        # each guess costs a draft step: stop when the next is not worth it
-        worth = self._worth_another if self.costs is not None else None
-        return self.proposer.propose(tokens, min(limit, self.spec.max_draft_len), sampling, generator, worth)
-
-    def _judge(self, proposal: Proposal, accepted: list[int], seconds: float) -> None:
-        """Credit each part of the proposal with the accepted tokens it had guessed."""
-        if proposal.lookup is not None:
-            right = common_prefix(proposal.lookup.tokens, accepted)
-            self.acceptance[proposal.lookup.label].update(len(proposal.lookup), right)
-            self.lookup_evidence[proposal.lookup.label].update(len(proposal.lookup), right)
-        if proposal.model is None:
-            if self.proposer is not None and self.proposer.has_model:
-                self.stats.lookup_accepted += len(accepted)
-            return
-        own = proposal.model
-        path = matched_path(own, accepted)
-        self.stats.lookup_accepted += len(accepted) - len(path)
-        self.stats.draft_steps += own.steps if own.steps is not None else len(own)
-        rate = (len(accepted) + 1) / seconds
-        self.model_rate = rate if self.model_rate is None else 0.8 * self.model_rate + 0.2 * rate
-        if own.is_chain:  # per guess: accepted ones succeeded, the first rejected one failed, later ones were never judged
-            for i, confidence in enumerate(own.confidences[: len(path) + 1]):
-                self._confidence_tracker(confidence).update(1, 1 if i < len(path) else 0)
-        if self.proposer is not None:
-            self.proposer.judged(len(path))
+    def _credit(self, proposal: Proposal, accepted: list[int], seconds: float) -> None:
+        """The policy, the proposer and the statistics learn whose guesses the pass accepted."""
+        own = self.policy.judge(proposal, accepted, seconds)
+        if proposal.model is not None:
+            self.stats.lookup_accepted += len(accepted) - own
+            self.stats.draft_steps += proposal.model.steps if proposal.model.steps is not None else len(proposal.model)
+            if self.proposer is not None:
+                self.proposer.judged(own)
+        elif self.proposer is not None and self.proposer.has_model:
+            self.stats.lookup_accepted += len(accepted)  # the lookup's guess was verified alone
 
     def _observe(self, start: int, kept: list[int] | None) -> None:
         if self.proposer is None:
@@ -379,11 +282,28 @@ class Engine:
         kept = [0] + [node + 1 for node in verdict.accepted]
         self.kv.keep(past, kept)
         self._observe(past, kept)
-        self.kv_tokens.append(tokens[-1])
-        self.kv_tokens.extend(draft.tokens[node] for node in verdict.accepted)
+        self.kv_tokens.extend([tokens[-1], *(draft.tokens[node] for node in verdict.accepted)])
         return draft, verdict
 
     # -- the loop -------------------------------------------------------------------------------
+
+    def _speculative_step(self, tokens: list[int], room: int, sampling: SamplingConfig, generator) -> tuple[list[int], int]:
+        """One target pass: guess, verify the guesses and take the target's own next token in one
+        forward, learn from the verdict. Returns the accepted guesses and the target's token (room:
+        tokens the answer may still take)."""
+        if self.costs is not None:
+            self.costs.context = len(self.kv)  # the costs that size this pass's draft are read here
+        started = time.perf_counter()
+        proposal = self._propose(tokens, room, sampling, generator)
+        drafted = time.perf_counter()
+        draft, verdict = self._verify_pass(tokens, proposal.draft, sampling, generator)
+        verified = time.perf_counter()
+        accepted = [draft.tokens[node] for node in verdict.accepted]
+        self.stats.record_pass(len(draft), len(accepted), drafted - started, verified - drafted)
+        if self.policy.guard is not None and (notice := self.policy.guard.record(len(draft), len(accepted) + 1, verified - started)):
+            self.stats.notices.append(notice)
+        self._credit(proposal, accepted, verified - started)
+        return accepted, verdict.next_token
 
     @torch.inference_mode()
     def generate(
@@ -422,23 +342,12 @@ class Engine:
         first_at = None
         plain_seconds = 0.0  # what plain decoding's passes would have cost for the tokens so far
         while True:
+            accepted, next_token = self._speculative_step(tokens, budget - produced, sampling, generator)
             if self.costs is not None:
-                self.costs.context = len(self.kv)  # the costs that size this pass's draft are read here
-            t0 = time.perf_counter()
-            proposal = self._propose(tokens, budget - produced, sampling, generator)
-            t1 = time.perf_counter()
-            draft, verdict = self._verify_pass(tokens, proposal.draft, sampling, generator)
-            t2 = time.perf_counter()
-            accepted = len(verdict.accepted)
-            stats.record_pass(len(draft), accepted, t1 - t0, t2 - t1)
-            if self.guard is not None and (notice := self.guard.record(len(draft), accepted + 1, t2 - t0)):
-                stats.notices.append(notice)
-            self._judge(proposal, [draft.tokens[n] for n in verdict.accepted], t2 - t0)
-            if self.costs is not None:
-                plain_seconds += (accepted + 1) * self.costs.verify(1)
+                plain_seconds += (len(accepted) + 1) * self.costs.verify(1)
                 stats.plain_token_seconds = plain_seconds / (stats.passes + stats.accepted)
 
-            new = [(draft.tokens[n], True) for n in verdict.accepted] + [(verdict.next_token, False)]
+            new = [(token, True) for token in accepted] + [(next_token, False)]
             event = TokenEvent()
             stop = ""
             for token, from_draft in new:

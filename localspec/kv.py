@@ -10,6 +10,8 @@ a long conversation reallocates only a few times.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
@@ -74,6 +76,8 @@ class SlotLayer(DynamicLayer):
 
     def set_length(self, length: int) -> None:
         """Keep the first `length` slots (rollback: the rest is overwritten later)."""
+        if not self.is_initialized:
+            return  # nothing written yet
         self.key_slots.cut(length)
         self.value_slots.cut(length)
         self._show()
@@ -128,3 +132,57 @@ class KVCache:
             if layer.device not in on_device:
                 on_device[layer.device] = index.to(layer.device)
             layer.keep(on_device[layer.device], start)
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens two sequences share."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class CachedTokens:
+    """Which tokens a cache's entries stand for: the one record that the target's cache, a draft
+    model's and an EAGLE head's each keep, so a cache follows a token sequence that changed (a
+    rejected guess, a new prompt that shares a prefix with the last) by cutting at the first
+    difference, O(1), and feeding only what is new.
+
+    `lookahead`: entry i stands for tokens[: i + 1 + lookahead]. An EAGLE head's entry i reads the
+    target's features at position i and token i + 1, so it stands for one token past its position.
+    """
+
+    def __init__(self, cut: Callable[[int], None], lookahead: int = 0) -> None:
+        self._cut = cut
+        """Keeps the cache's first n entries."""
+        self.lookahead = lookahead
+        self.ids: list[int] = []
+
+    @property
+    def entries(self) -> int:
+        return max(len(self.ids) - self.lookahead, 0)
+
+    def follow(self, tokens: Sequence[int], at_most: int | None = None) -> int:
+        """Keep the entries that still stand for a prefix of `tokens`, at most `at_most` of them (a
+        holder that needs an output from its next pass keeps room to feed a token); cut the cache
+        there and return how many stayed. The holder feeds the rest and `extend`s the record."""
+        common = common_prefix(self.ids, tokens)
+        kept = max(common - self.lookahead, 0)
+        if at_most is not None:
+            kept = max(min(kept, at_most), 0)
+        self._cut(kept)
+        if common >= kept + self.lookahead:
+            del self.ids[kept + self.lookahead :]
+        else:  # no entry kept and the lookahead's own tokens changed: they are what is read next
+            self.ids = list(tokens[: self.lookahead])
+        return kept
+
+    def extend(self, ids: Sequence[int]) -> None:
+        """The cache took one entry per id (each standing for one more token)."""
+        self.ids.extend(ids)
+
+    def restore(self) -> None:
+        """Cut the cache back to the entries recorded here: a pass cut short (Ctrl-C, out of
+        memory) may have written more, in some layers only."""
+        self._cut(self.entries)

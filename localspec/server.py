@@ -40,6 +40,7 @@ from starlette.routing import Route
 
 from localspec.config import GenerationLimits, SamplingConfig, SpecConfig
 from localspec.errors import LocalspecError
+from localspec.kv import common_prefix
 from localspec.registry import load_registry
 from localspec.stats import GenerationStats
 
@@ -95,7 +96,7 @@ class Served:
 
     name: str
     engine: object
-    """An `Engine` (or anything with its generate / encode / tokenizer / context_len / kv_tokens / stats)."""
+    """An `Engine` (or anything with its generate / encode / tokenizer / context_len / kv_tokens.ids / stats)."""
     about: str = ""
     """Proposer and dtype, and why: printed in the ready line."""
 
@@ -489,13 +490,7 @@ class Service:
             ids = prompt()
         except Exception as exc:  # e.g. a chat template that refuses this order of roles
             raise ApiError(400, f"cannot build the prompt: {exc}") from None
-        held = self.served.engine.kv_tokens
-        cached = 0
-        for a, b in zip(held, ids[:-1]):
-            if a != b:
-                break
-            cached += 1
-        return ids, cached
+        return ids, common_prefix(self.served.engine.kv_tokens.ids, ids[:-1])
 
 
 def fim_ids(tokenizer) -> tuple[int, int, int] | None:

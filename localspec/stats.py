@@ -1,20 +1,14 @@
 """Counters for one generation and the figures derived from them.
 
 A plain object, updated by the engine once per target pass; the CLI, the UI and the benchmark read
-it. Speedup formula (Leviathan et al. 2023): with acceptance a, draft length g and cost ratio c
-(one draft step / one target pass), a pass yields (1 - a^(g+1)) / (1 - a) tokens for 1 + g*c time.
+it. The formula speedup beside the measured one is the draft policy's (`policy.predicted_speedup`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-
-def predicted_speedup(a: float, g: float, c: float) -> float:
-    if g <= 0:
-        return 1.0
-    a = min(max(a, 0.0), 1.0 - 1e-9)
-    return (1.0 - a ** (g + 1)) / ((1.0 - a) * (1.0 + g * c))
+from localspec.policy import predicted_speedup
 
 
 @dataclass

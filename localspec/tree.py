@@ -100,15 +100,6 @@ def verify_inputs(draft: Draft, root_token: int, past_len: int) -> tuple[torch.T
     return ids, positions, mask[None, None]
 
 
-def path_to(draft: Draft, node: int) -> list[int]:
-    """Node indices from the root's child down to `node` (inclusive); [] for the root (-1)."""
-    path = []
-    while node >= 0:
-        path.append(node)
-        node = draft.parents[node]
-    return path[::-1]
-
-
 def graft(draft: Draft, guess: list[int]) -> Draft:
     """`draft` plus a deterministic chain of guesses from the root: the chain follows the draft's
     nodes while the tokens agree and branches off where they differ. New nodes come last, so the

@@ -95,7 +95,7 @@ def test_a_lookup_expected_to_pay_more_skips_the_model(arch):
     # verify passes measured at a millisecond: a lookup guess alone beats a model taking 50 ms a pass
     fast_passes = CostModel({1: 1e-3, 2: 1.05e-3, 4: 1.1e-3, 8: 1.3e-3, 16: 2e-3}, draft_step_seconds=1e-4)
     engine = Engine(target, None, SlowDraft(tiny_model(arch, seed=2)), SpecConfig(), costs=fast_passes)
-    engine.guard = None  # against millisecond passes the slow model would pause speculation altogether
+    engine.policy.guard = None  # against millisecond passes the slow model would pause speculation altogether
     assert run(engine, LOOPING_PROMPT, 40) == expected
     assert engine.stats.lookup_passes > 0
     assert len(calls) + engine.stats.lookup_passes >= engine.stats.passes - 1  # the last pass may have no room
@@ -125,7 +125,7 @@ def test_greedy_and_cache_exact_after_any_accept_reject_pattern(arch, tree):
         assert out == expected
         assert engine.stats.accepted > 0 and engine.stats.accepted < engine.stats.drafted
         # the cache must equal a fresh prefill of the committed text: compare next-token logits
-        committed = engine.kv_tokens
+        committed = engine.kv_tokens.ids
         assert committed == (PROMPT + out)[: len(committed)]
         probe = torch.tensor([[(PROMPT + out)[len(committed)]]])
         with torch.no_grad():

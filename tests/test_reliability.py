@@ -12,10 +12,11 @@ from hypothesis import given, settings, strategies as st
 from conftest import hf_greedy, tiny_model
 from localspec import session as session_module
 from localspec.config import GenerationLimits, SamplingConfig, SpecConfig
-from localspec.costs import CostModel, SpeedGuard
+from localspec.costs import CostModel
 from localspec.engine import Engine
 from localspec.errors import LocalspecError
 from localspec.kv import KVCache
+from localspec.policy import SpeedGuard
 from localspec.proposers import DraftModelProposer, NgramProposer
 from localspec.proposers.base import Proposer
 from localspec.tree import Draft, graft, matched_path, verify_inputs
@@ -62,7 +63,7 @@ def test_ctrl_c_mid_pass_keeps_partial_output_and_the_next_prompt_is_exact(arch)
             got += [p.token_id for p in event.pieces]
     expected = hf_greedy(target, PROMPT, 40)
     assert got and got == expected[: len(got)]  # what was streamed before the interrupt is kept and exact
-    assert len(engine.kv) == len(engine.kv_tokens)  # the cache was put back to the committed tokens
+    assert len(engine.kv) == len(engine.kv_tokens.ids)  # the cache was put back to the committed tokens
     follow_up = PROMPT + got + [30, 31]
     assert tokens_of(engine, follow_up, 20) == hf_greedy(target, follow_up, 20)
 

@@ -46,8 +46,5 @@ class Proposer(ABC):
         """Called after the target verified this proposer's latest draft: `accepted` of its own
         guesses were kept (the pass may also have carried prompt lookup's guesses)."""
 
-    def reset(self) -> None:
-        """Drop per-conversation state (caches)."""
-
     def close(self) -> None:
         """Release anything attached to the target (hooks)."""

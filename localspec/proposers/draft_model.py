@@ -7,18 +7,10 @@ from collections.abc import Callable
 import torch
 
 from localspec.config import SamplingConfig
-from localspec.kv import KVCache
+from localspec.kv import CachedTokens, KVCache
 from localspec.proposers.base import Proposer
 from localspec.sampling import probs_from_logits, read_token, sample
 from localspec.tree import Draft
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 class DraftModelProposer(Proposer):
@@ -29,19 +21,15 @@ class DraftModelProposer(Proposer):
         self.model = model
         self.device = next(model.parameters()).device
         self.kv = KVCache()
-        self.cached: list[int] = []  # the token ids whose keys/values self.kv holds
-
-    def reset(self) -> None:
-        self.kv = KVCache()
-        self.cached = []
+        self.kv_tokens = CachedTokens(self.kv.truncate)
 
     def _forward(self, ids: list[int]) -> torch.Tensor:
         """Feed ids after the cache; return the logits after the last one, (V,)."""
-        start = len(self.cached)
+        start = self.kv_tokens.entries
         x = torch.tensor([ids], dtype=torch.long, device=self.device)  # (1, n)
         pos = torch.arange(start, start + len(ids), device=self.device)[None]  # (1, n)
         out = self.model(input_ids=x, position_ids=pos, cache=self.kv.cache, use_cache=True, logits_to_keep=1)
-        self.cached.extend(ids)
+        self.kv_tokens.extend(ids)
         return out.logits[0, -1]
 
     @torch.inference_mode()
@@ -51,10 +39,8 @@ class DraftModelProposer(Proposer):
     ) -> Draft:
         if max_len <= 0:
             return Draft.chain([])
-        # resynchronise: keep what still matches (O(1) truncate), feed what is new (at least one token)
-        keep = min(common_prefix(self.cached, tokens), len(tokens) - 1)
-        self.kv.truncate(keep)
-        del self.cached[keep:]
+        # resynchronise: keep what still matches (O(1)), feed what is new (at least one token)
+        keep = self.kv_tokens.follow(tokens, at_most=len(tokens) - 1)
         logits = self._forward(tokens[keep:])
         drafted: list[int] = []
         probs: list[torch.Tensor | None] = []

@@ -23,9 +23,9 @@ import torch
 
 from localspec.config import SamplingConfig
 from localspec.costs import CostModel
-from localspec.kv import SlotLayer, Slots
+from localspec.kv import CachedTokens, SlotLayer, Slots
+from localspec.policy import Running, best_node_count, deeper_pays
 from localspec.proposers.base import Proposer
-from localspec.proposers.draft_model import common_prefix
 from localspec.proposers.eagle_head import EagleHead
 from localspec.tree import Draft
 
@@ -40,7 +40,10 @@ class FeatureTap:
         self.handles = []
         if aux_layers:
             for index in aux_layers:
-                self.handles.append(base.layers[index].register_forward_pre_hook(self._grab_input(index), with_kwargs=True))
+                # a layer's input is its first norm's input; hooked there, the tap also sees the
+                # lean pass (localspec/decoder.py), which runs the norms but not the layer modules
+                norm = base.layers[index].input_layernorm
+                self.handles.append(norm.register_forward_pre_hook(self._grab_input(index), with_kwargs=True))
         else:
             self.handles.append(base.norm.register_forward_hook(self._grab_output("final")))
 
@@ -81,15 +84,14 @@ class EagleProposer(Proposer):
         self.top_k, self.fixed_nodes, self.fixed_depth, self.max_depth = top_k, nodes, depth, max_depth
         self.device = head.fc.weight.device
         self.features = Slots()  # (S, F): one per committed cache entry of the target
-        self.step_seconds = 0.0  # measured head step (one tree level), a running average
-        self.calibration = 1.0  # accepted tokens / predicted (sum of node probabilities), a running ratio
+        self.step_seconds = Running()
+        """Seconds of one head step (one tree level)."""
+        self.calibration = Running(prior=1.0)
+        """Accepted tokens over predicted ones (the sum of the picked nodes' probabilities)."""
         self._last_predicted: float | None = None
-        self.reset()
-
-    def reset(self) -> None:
         # the head's keys/values: committed positions, then (while drafting) the tree's levels
         self.cache = SlotLayer()
-        self.cached: list[int] = []  # tokens[:L + 1] when the head's cache was filled: position t read token t + 1
+        self.head_tokens = CachedTokens(self.cache.set_length, lookahead=1)  # position t read token t + 1
 
     def close(self) -> None:
         self.tap.remove()
@@ -107,7 +109,7 @@ class EagleProposer(Proposer):
     def judged(self, accepted: int) -> None:
         """Learn how well the head's scores predict what the target accepts."""
         if self._last_predicted is not None:
-            self.calibration = 0.9 * self.calibration + 0.1 * min(accepted / max(self._last_predicted, 1e-3), 3.0)
+            self.calibration.add(accepted, self._last_predicted)
             self._last_predicted = None
 
     # -- drafting -------------------------------------------------------------------------------
@@ -116,44 +118,36 @@ class EagleProposer(Proposer):
         """Run the head over committed positions it has not seen; returns its output at the last
         one, (1, h), whose logits guess the token after `tokens`."""
         n = len(tokens)
-        keep = max(min(common_prefix(self.cached, tokens) - 1, n - 2), 0)
-        if self.cache.is_initialized:
-            self.cache.set_length(keep)  # later slots are overwritten
+        keep = self.head_tokens.follow(tokens, at_most=n - 2)
         hidden = self.features.filled[keep : n - 1][None]  # (1, T, F)
         ids = torch.tensor([tokens[keep + 1 : n]], device=self.device)  # (1, T)
         positions = torch.arange(keep, n - 1, device=self.device)[None]  # (1, T)
         out, k, v = self.head(hidden, ids, positions, self.cache.keys, self.cache.values)
         self.cache.update(k, v)
-        self.cached = list(tokens)
+        self.head_tokens.extend(tokens[keep + 1 : n])
         return out[:, -1]  # (1, h)
 
-    def _best_nodes(self, probs: list[float], depth: int, limit: int) -> tuple[int, float, float]:
-        """The node count (of candidates sorted by probability) with the best expected tokens per
-        second: (count, expected tokens, seconds) for `depth` head steps plus the verify pass."""
+    def _reach(self, probs: list[float]) -> list[float]:
+        """The head's path probabilities as acceptance: scaled by how well they predicted so far."""
+        return [self.calibration.value * p for p in probs]
+
+    def _node_count(self, probs: list[float], depth: int, limit: int) -> int:
+        """How many candidates (`probs`, most likely first) the tree keeps after `depth` head steps."""
         if self.fixed_nodes is not None:
-            n = min(self.fixed_nodes, limit, len(probs))
-            return n, 1.0 + self.calibration * sum(probs[:n]), 1.0
-        best = (0, 1.0, self.costs.verify(1))
-        expected = 1.0
-        for n in range(1, min(limit, len(probs)) + 1):
-            expected += self.calibration * probs[n - 1]
-            seconds = depth * self.step_seconds + self.costs.verify(n + 1)
-            if expected / seconds > best[1] / best[2]:
-                best = (n, expected, seconds)
-        return best
+            return min(self.fixed_nodes, limit, len(probs))
+        if self.costs is None:
+            return min(limit, len(probs))
+        return best_node_count(self.costs, self._reach(probs), depth * (self.step_seconds.value or 0.0), limit)
 
     def _deeper_pays(self, scores: list[float], frontier: list[int], depth: int, limit: int) -> bool:
-        """Whether one more level can raise the expected rate: at best it adds the frontier's
-        probability mass (children never outscore their parent), for one more head step and the
-        wider verify pass."""
-        if self.step_seconds == 0.0:
+        """Whether one more level can raise the expected rate (the policy's rule, on the head's
+        calibrated probabilities and measured step)."""
+        if self.step_seconds.value is None:
             return True  # not measured yet: measure by drafting
         probs = sorted((math.exp(s) for s in scores), reverse=True)
-        n, expected, seconds = self._best_nodes(probs, depth, limit)
-        extra = self.calibration * sum(math.exp(scores[c]) for c in frontier)
-        wider = min(n + len(frontier), limit)
-        more_seconds = self.step_seconds + self.costs.verify(wider + 1) - self.costs.verify(n + 1)
-        return (expected + extra) / (seconds + more_seconds) > expected / seconds
+        frontier_reach = self._reach([math.exp(scores[c]) for c in frontier])
+        return deeper_pays(self.costs, self._reach(probs), self._node_count(probs, depth, limit), frontier_reach,
+                           depth, self.step_seconds.value, limit)
 
     @torch.inference_mode()
     def propose(
@@ -224,17 +218,12 @@ class EagleProposer(Proposer):
             cand_logp += read[2 * n : 3 * n]
             cand_depth += [depth] * n
             frontier = [first_new + int(b) for b in read[3 * n :]]
-            elapsed = time.perf_counter() - t0
-            self.step_seconds = elapsed if self.step_seconds == 0 else 0.8 * self.step_seconds + 0.2 * elapsed
+            self.step_seconds.add(time.perf_counter() - t0, 1)
         self.cache.set_length(stable)  # the tree's entries go; the committed ones stay
 
         order = sorted(range(len(cand_tokens)), key=lambda c: -cand_score[c])
         probs = [math.exp(cand_score[c]) for c in order]
-        if self.costs is None and self.fixed_nodes is None:
-            nodes = min(max_len, len(order))
-        else:
-            nodes = self._best_nodes(probs, depth, max_len)[0]
-        chosen = set(order[:nodes])
+        chosen = set(order[: self._node_count(probs, depth, max_len)])
         chosen = {c for c in chosen if all(a in chosen for a in self._ancestors(c, cand_parent))}
         # parents first (by depth), most likely sibling first: the order the acceptance rule tries them
         picked = sorted(chosen, key=lambda c: (cand_depth[c], -cand_score[c]))

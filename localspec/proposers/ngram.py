@@ -7,9 +7,7 @@ guesses many tokens right. Longest suffix first (ngram_max down to ngram_min).
 from __future__ import annotations
 
 import numpy as np
-import torch
 
-from localspec.config import SamplingConfig
 from localspec.proposers.base import Proposer
 from localspec.tree import Draft
 
