@@ -18,7 +18,7 @@ import functools
 import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from localspec.attention import NAME as EXACT_ATTENTION, ROW_BY_ROW_UP_TO, RowPlan, exact_attention
+from localspec.attention import NAME as EXACT_ATTENTION, ROW_BY_ROW_UP_TO, RowPlan, exact_attention, use_exact_attention
 
 LEAN_KWARGS = {"input_ids", "position_ids", "attention_mask", "cache", "past_key_values", "use_cache", "logits_to_keep",
                "row_plan"}
@@ -46,6 +46,13 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
         if not all(hasattr(mlp, name) for name in ("gate_proj", "up_proj", "down_proj", "act_fn")):
             return f"{type(mlp).__name__} is not a gated MLP"
     return None
+
+
+def use_exact_pass(model: torch.nn.Module) -> None:
+    """The model as generation runs it (idempotent): row-exact attention, so a verify pass computes
+    each row as plain decoding would, and its short passes through `lean_forward` where supported."""
+    use_exact_attention(model)
+    use_lean_forward(model)
 
 
 def use_lean_forward(model: torch.nn.Module) -> bool:

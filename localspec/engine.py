@@ -13,9 +13,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from localspec.attention import RowPlan, use_exact_attention
+from localspec.attention import RowPlan
 from localspec.config import GenerationLimits, SamplingConfig, SpecConfig
 from localspec.costs import CostModel
+from localspec.decoder import use_exact_pass
 from localspec.errors import LocalspecError, is_out_of_memory
 from localspec.kv import CachedTokens, KVCache
 from localspec.policy import DraftPolicy, Proposal
@@ -134,7 +135,7 @@ class Engine:
         proposer_reason: str = "",
     ) -> None:
         self.model = model
-        use_exact_attention(model)  # verify passes must compute each row as plain decoding would
+        use_exact_pass(model)  # verify passes must compute each row as plain decoding would
         self.tokenizer = tokenizer
         self.proposer = proposer
         self.costs = costs

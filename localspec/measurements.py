@@ -85,13 +85,15 @@ def _runtime() -> str:
 
 
 def pass_cost_key(name: str, model: torch.nn.Module) -> str:
-    """What decides a pass's cost: model, attention path, weight format (dtype and any fast-path or
+    """What decides a pass's cost: model, attention path and forward, weight format (dtype and any fast-path or
     quantized layers: prepacked, int8, bitsandbytes), device, threads, torch."""
     param = next(model.parameters())
     fast_paths = sorted({type(m).__name__ for m in model.modules()
                          if type(m).__module__.startswith(("localspec_kernels", "bitsandbytes"))})
     variant = f"|{'+'.join(fast_paths)}" if fast_paths else ""
     attention = getattr(model.config, "_attn_implementation", None) or "default"
+    if getattr(model, "_lean_forward", False):  # localspec.decoder's pass, not transformers' forward
+        attention += "+lean"
     device = param.device.type
     if device == "cuda":
         device += f"={torch.cuda.get_device_name(param.device)}"

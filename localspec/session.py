@@ -14,11 +14,11 @@ import psutil
 import torch
 
 from localspec import quant as quantization
-from localspec.attention import use_exact_attention
 from localspec import proposer_catalog
 from localspec import policy
 from localspec.config import SpecConfig
 from localspec.costs import CostModel, WIDTHS, cost_model
+from localspec.decoder import use_exact_pass
 from localspec.engine import Engine
 from localspec.errors import LocalspecError, is_out_of_memory
 from localspec.loading import (
@@ -88,8 +88,10 @@ def _choose_verify_path(target: LoadedModel, widths) -> dict[int, dict[int, floa
 
 def costs_for(target: LoadedModel, draft: LoadedModel | None, widths=WIDTHS) -> CostModel:
     """The costs of the passes generation runs: the target with the attention the engine gives it."""
-    use_exact_attention(target.model)
+    use_exact_pass(target.model)
     verify = fast_verify_path(target, widths)
+    if draft is not None:
+        use_exact_pass(draft.model)  # as `DraftModelProposer` runs it
     step = measured_costs(draft.name, draft.model, (1,))[1] if draft is not None else 0.0
     return cost_model(verify, step)
 
@@ -265,6 +267,7 @@ def load_draft(entry: ModelEntry, dtype: torch.dtype, device: torch.device, spec
                     loaded = load_model(entry, dtype, quant=candidate, device=device, progress=not quiet)
                 except LocalspecError:
                     continue  # a format this build cannot run
+                use_exact_pass(loaded.model)  # as `DraftModelProposer` runs it
                 steps[candidate] = measured_costs(loaded.name, loaded.model, (1,))[1]
                 del loaded
             quant = min(steps, key=steps.get)

@@ -7,6 +7,7 @@ from collections.abc import Callable
 import torch
 
 from localspec.config import SamplingConfig
+from localspec.decoder import use_exact_pass
 from localspec.kv import CachedTokens, KVCache
 from localspec.proposers.base import Proposer
 from localspec.sampling import probs_from_logits, read_token, sample
@@ -18,6 +19,7 @@ class DraftModelProposer(Proposer):
     has_model = True
 
     def __init__(self, model: torch.nn.Module) -> None:
+        use_exact_pass(model)  # its one-token steps then take the lean pass too
         self.model = model
         self.device = next(model.parameters()).device
         self.kv = KVCache()
