@@ -24,6 +24,16 @@ constexpr int64_t GROUP = 32;          // inputs per scale/min
 constexpr int64_t TILE = 16;           // outputs per block
 constexpr int64_t CODE_BYTES = 256;    // TILE * GROUP / 2
 constexpr int64_t BLOCK_BYTES = 320;   // codes + 16 fp16 scales + 16 fp16 mins
+// Blocks are asked for this many groups before they are read. The hardware prefetcher alone left
+// the cores waiting: measured on the 2-core VM over the 1.5B model's 28 layers of linears, 12
+// groups ahead took one row from 45.9 to 36.2 ms, 4 rows from 57 to 41 ms and 16 rows from 96 to
+// 76 ms (8 to 24 groups all measured within 2 ms of each other; into L2 instead of L1 no better).
+// A hint past the end of the weights is harmless: prefetches do not fault.
+constexpr int64_t PREFETCH_GROUPS = 12;
+
+inline void prefetch_block(const uint8_t* block) {
+  for (int64_t line = 0; line < BLOCK_BYTES; line += 64) _mm_prefetch((const char*)block + line, _MM_HINT_T0);
+}
 
 inline int32_t four_bytes(const int8_t* p) {
   int32_t v;
@@ -92,6 +102,7 @@ void tile_avx512(const uint8_t* blocks, int64_t groups, const int8_t* q, int64_t
   for (int r = 0; r < R; ++r) total[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* b = blocks + g * BLOCK_BYTES;
+    prefetch_block(b + PREFETCH_GROUPS * BLOCK_BYTES);
     __m512i sums[R];
     for (int r = 0; r < R; ++r) sums[r] = _mm512_setzero_si512();
     for (int p = 0; p < 4; ++p) {
@@ -133,6 +144,7 @@ void tile_avx2(const uint8_t* blocks, int64_t groups, const int8_t* q, int64_t k
   for (int r = 0; r < R; ++r) total[r][0] = total[r][1] = _mm256_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* b = blocks + g * BLOCK_BYTES;
+    prefetch_block(b + PREFETCH_GROUPS * BLOCK_BYTES);
     for (int h = 0; h < 2; ++h) {
       __m256i sums[R];
       for (int r = 0; r < R; ++r) sums[r] = _mm256_setzero_si256();
