@@ -179,7 +179,7 @@ class SharedInput:
             rows = x.reshape(-1, x.shape[-1]).float().contiguous()  # (M, in)
             self._input, self._served = x, 0
             self._output = self.kernel.linear(rows, self.blocks, self.out_features, self.bias)
-        out = self._output[:, start : start + width].contiguous()  # (M, width)
+        out = self._output[:, start : start + width]  # (M, width), a view: copying the columns out measured ~3 ms of a 16-token pass
         self._served += 1
         if self._served == self.members:  # everyone has theirs: hold no tensors between passes
             self._input = self._output = None
