@@ -28,6 +28,15 @@ def compiler() -> str | None:
     return shutil.which(os.environ.get("CXX", "g++"))
 
 
+def sources_digest() -> str:
+    """A short digest of every C++ source shipped here: measurements of passes that may run these
+    kernels are keyed by it, so a changed kernel is measured again."""
+    digest = hashlib.sha256()
+    for source in sorted(Path(__file__).parent.glob("*.cpp")):
+        digest.update(source.name.encode() + b"\0" + source.read_bytes())
+    return digest.hexdigest()[:8]
+
+
 def build(source: Path, cache_dir: Path, what: str) -> ctypes.CDLL:
     """Compile `source` into cache_dir once (per source, compiler and flags) and load it."""
     if os.uname().machine not in ("x86_64", "AMD64"):

@@ -29,6 +29,7 @@ from localspec.files import locked, write_text_atomic
 from localspec.loading import pick_device
 from localspec.proposer_catalog import Measured, pair_key
 from localspec.stats import GenerationStats
+from localspec_kernels.cpu_build import sources_digest
 
 
 def _calibration_file() -> Path:
@@ -86,7 +87,7 @@ def _runtime() -> str:
 
 def pass_cost_key(name: str, model: torch.nn.Module) -> str:
     """What decides a pass's cost: model, attention path and forward, weight format (dtype and any fast-path or
-    quantized layers: prepacked, int8, bitsandbytes), device, threads, torch."""
+    quantized layers: prepacked, int8, bitsandbytes), device (on a CPU, the compiled kernels' sources), threads, torch."""
     param = next(model.parameters())
     fast_paths = sorted({type(m).__name__ for m in model.modules()
                          if type(m).__module__.startswith(("localspec_kernels", "bitsandbytes"))})
@@ -97,6 +98,8 @@ def pass_cost_key(name: str, model: torch.nn.Module) -> str:
     device = param.device.type
     if device == "cuda":
         device += f"={torch.cuda.get_device_name(param.device)}"
+    if device == "cpu":  # the compiled CPU kernels (w4a8, row attention) are part of the pass
+        device += f"|kernels={sources_digest()}"
     return f"{name}{variant}|{param.dtype}|attention={attention}|{device}|{_runtime()}|torch={torch.__version__}"
 
 

@@ -77,3 +77,19 @@ def test_a_measurement_edited_into_another_shape_is_measured_again(tmp_path, mon
     assert measurements.measured_costs("tiny", model, (1,)) == {1: 0.5}
     assert measurements.load_calibration(key) == {"context=128": {"1": 0.5}}
     assert measurements.load_calibration(measurements.dtype_key("t", None, "ngram")) == {}
+
+
+def test_pass_costs_are_keyed_by_what_runs_the_pass(monkeypatch):
+    """A changed CPU kernel or the lean pass is measured again, not read from the old entry."""
+    from localspec import measurements
+    from localspec.attention import use_exact_attention
+    from localspec.decoder import use_lean_forward
+
+    model = tiny_model()
+    use_exact_attention(model)
+    before = measurements.pass_cost_key("tiny", model)
+    monkeypatch.setattr(measurements, "sources_digest", lambda: "changed")
+    edited = measurements.pass_cost_key("tiny", model)
+    assert edited != before and "kernels=changed" in edited
+    use_lean_forward(model)
+    assert measurements.pass_cost_key("tiny", model) not in (before, edited)
