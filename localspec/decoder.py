@@ -32,7 +32,9 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
     if base is None or not hasattr(model, "lm_head") or not hasattr(base, "layers") or not hasattr(base, "rotary_emb"):
         return f"{type(model).__name__} is not a decoder with model.layers, rotary_emb and lm_head"
     config = model.config
-    if any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or ()):
+    layer_types = getattr(config, "layer_types", None)
+    if any(kind != "full_attention" for kind in layer_types or ()) or (
+            layer_types is None and getattr(config, "sliding_window", None) is not None):
         return "layers with sliding-window attention"
     for layer in base.layers:
         attention, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)

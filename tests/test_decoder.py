@@ -102,5 +102,8 @@ def test_unsupported_models_keep_transformers_forward():
     assert "sliding" in unsupported_reason(model)
     use_exact_attention(model)
     assert not use_lean_forward(model)
+    windowed = tiny_model("llama")
+    windowed.config.sliding_window = 16  # a Mistral-style window, no layer_types to say otherwise
+    assert "sliding" in unsupported_reason(windowed)
     plain = tiny_model("llama")  # not on the row-exact attention: the lean pass would not match it
     assert unsupported_reason(plain) is None and not use_lean_forward(plain)
