@@ -17,6 +17,7 @@ the tests compare against.
 from __future__ import annotations
 
 import functools
+import sys
 
 import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast
@@ -46,6 +47,8 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
             return f"{type(layer).__name__} is not a pre-norm attention + MLP block"
         if not all(hasattr(attention, name) for name in ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling")):
             return f"{type(attention).__name__} has no plain q/k/v/o projections"
+        if not hasattr(sys.modules[type(attention).__module__], "apply_rotary_pos_emb"):
+            return f"{type(attention).__name__}'s module has no apply_rotary_pos_emb"
         if hasattr(attention, "q_norm") or hasattr(attention, "k_norm"):
             return f"{type(attention).__name__} normalises queries and keys"
         if not all(hasattr(mlp, name) for name in ("gate_proj", "up_proj", "down_proj", "act_fn")):
@@ -108,7 +111,6 @@ def lean_forward(model: torch.nn.Module, input_ids: torch.Tensor, cache=None, pa
         row_plan = RowPlan.from_mask(attention_mask[0, 0])
     hidden = base.embed_tokens(input_ids)  # (1, T, Hd)
     cos, sin = base.rotary_emb(hidden, position_ids)  # (1, T, D) each
-    cos, sin = cos[:, None], sin[:, None]  # (1, 1, T, D): broadcast over heads
     for index, layer in enumerate(base.layers):
         hidden = hidden + _attention(layer.self_attn, layer.input_layernorm(hidden), cos, sin, cache, index, row_plan)
         normed = layer.post_attention_layernorm(hidden)  # (1, T, Hd)
@@ -123,16 +125,11 @@ def _attention(attention, normed: torch.Tensor, cos: torch.Tensor, sin: torch.Te
                row_plan: RowPlan | None) -> torch.Tensor:
     """One layer's attention block: normed (1, T, Hd) -> (1, T, Hd), the new keys/values written to the cache."""
     t, d = normed.shape[1], attention.head_dim
-    query = _rope(attention.q_proj(normed).view(1, t, -1, d).transpose(1, 2), cos, sin)  # (1, H, T, D)
-    key = _rope(attention.k_proj(normed).view(1, t, -1, d).transpose(1, 2), cos, sin)  # (1, Hkv, T, D)
+    query = attention.q_proj(normed).view(1, t, -1, d).transpose(1, 2)  # (1, H, T, D)
+    key = attention.k_proj(normed).view(1, t, -1, d).transpose(1, 2)  # (1, Hkv, T, D)
     value = attention.v_proj(normed).view(1, t, -1, d).transpose(1, 2)  # (1, Hkv, T, D)
+    # the model's own rotary function, the one its transformers forward applies
+    query, key = sys.modules[type(attention).__module__].apply_rotary_pos_emb(query, key, cos, sin)
     keys, values = cache.update(key, value, index)  # (1, Hkv, S, D) views of the cache
     out, _ = exact_attention(attention, query, keys, values, None, scaling=attention.scaling, row_plan=row_plan)
     return attention.o_proj(out.reshape(1, t, -1))  # out (1, T, H, D) -> (1, T, Hd)
-
-
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary position embedding as transformers applies it (rotate-half layout): x (1, H, T, D)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)  # (1, H, T, D)
-    return x * cos + rotated * sin
