@@ -10,6 +10,7 @@ the caller keeps another path.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import shutil
@@ -28,6 +29,7 @@ def compiler() -> str | None:
     return shutil.which(os.environ.get("CXX", "g++"))
 
 
+@functools.cache
 def sources_digest() -> str:
     """A short digest of every C++ source shipped here: measurements of passes that may run these
     kernels are keyed by it, so a changed kernel is measured again."""

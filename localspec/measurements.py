@@ -4,8 +4,9 @@ Two files under home_dir(), each changed only through `_update` (one lock, one a
 - calibration.json: measurements reused instead of repeated, keyed by everything that decides
   them: a model's pass cost per width and context (`pass_cost_key`; a draft's step is its width-1
   pass), the compute dtype measured for a pair (`dtype_key`), the draft's fastest weight format
-  (`draft_format_key`). The keys are the ones earlier releases wrote, so their files are read as
-  they are and nothing is measured again.
+  (`draft_format_key`). A pass-cost key names what runs the pass (the lean forward, the compiled
+  CPU kernels' sources), so pass costs measured by an earlier release are measured again; the
+  other keys are the ones earlier releases wrote, and their entries are read as they are.
 - history.json: speed and acceptance of every finished generation, per machine, target and
   proposer (`record_generation`); `--proposer auto` reads it (`load_history`).
 
