@@ -1,4 +1,5 @@
-"""The Triton kernels (4-bit small-M matmul, fused rejection sampling) against their torch references.
+"""The Triton kernels (4-bit small-M matmul, fused rejection sampling, row attention) against their
+torch references.
 
 By default they run under Triton's interpreter (TRITON_INTERPRET=1, CPU tensors), so machines
 without a GPU check them; `TRITON_INTERPRET=0 pytest tests/test_triton_kernels.py` runs the same
@@ -24,6 +25,7 @@ DEVICE = "cpu" if INTERPRET else "cuda"
 
 import localspec_kernels.triton_int4 as triton_int4  # noqa: E402
 import localspec_kernels.triton_sampling as triton_sampling  # noqa: E402
+from localspec_kernels.triton_row_attention import row_attention, row_attention_reference  # noqa: E402
 from localspec_kernels.int4_format import (  # noqa: E402
     dequantize_int4,
     int4_matmul_reference,
@@ -208,6 +210,75 @@ def test_reference_output_is_distributed_as_the_target(with_q):
 
 
 # ---------------------------------------------------------------------------------------------
+# row attention kernel
+
+
+def table(rows: list[list[int]], width: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """count (T,) and seen (T, E) for rows[i] = the pass's rows that row i sees."""
+    width = width or max(map(len, rows))
+    return (torch.tensor([len(r) for r in rows]), torch.tensor([r + [0] * (width - len(r)) for r in rows]))
+
+
+def tree_rows(parents: list[int]) -> list[list[int]]:
+    """Row 0 the root, row i + 1 node i: each sees the root, its ancestors and itself."""
+    rows = [[0]]
+    for i, parent in enumerate(parents, start=1):
+        rows.append([*rows[parent + 1], i])
+    return rows
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("past", [0, 31, 70])  # the rows' keys fall in one block, across two, in the third
+@pytest.mark.parametrize("head_dim, heads, kv_heads", [(12, 4, 2), (64, 4, 4)])  # 12: not a power of two
+def test_row_attention_matches_reference(dtype, past, head_dim, heads, kv_heads):
+    torch.manual_seed(past + head_dim)
+    rows = tree_rows([-1, 0, 0, 1, -1, 4])
+    t, capacity = len(rows), past + len(rows) + 9  # the cache has room beyond the pass: never read
+    query = torch.randn(1, heads, t, head_dim).to(dtype)
+    key, value = (torch.randn(1, kv_heads, capacity, head_dim).to(dtype) for _ in range(2))
+    case = on_device(query, key, value, torch.tensor([past]), *table(rows))
+    out = row_attention(*case, head_dim**-0.5).cpu()
+    expected = row_attention_reference(query, key, value, torch.tensor([past]), *table(rows), head_dim**-0.5)
+    assert out.shape == (1, t, heads, head_dim) and out.dtype == dtype
+    assert torch.allclose(out.float(), expected.float(), atol=ROUNDING[dtype] * 4 + 1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("width", [16, 64])
+def test_a_row_gives_the_same_bits_alone_and_in_a_pass(width):
+    """A tree node verified among `width` rows, its ancestors at scattered slots, against its
+    one-token step once its path is committed and compacted, in a cache of another capacity."""
+    torch.manual_seed(width)
+    heads, kv_heads, d, past = 4, 2, 64, 45
+    parents = [-1] + [int(torch.randint(-1, i, ())) for i in range(width - 2)]  # any earlier node
+    rows = tree_rows(parents)
+    query = torch.randn(1, heads, width, d, dtype=torch.bfloat16)
+    key, value = (torch.randn(1, kv_heads, past + width, d, dtype=torch.bfloat16) for _ in range(2))
+    scale = d**-0.5
+    in_pass = row_attention(*on_device(query, key, value, torch.tensor([past]), *table(rows, width)), scale).cpu()
+    for i in (0, 1, width // 2, width - 1):
+        path = rows[i]  # the pass's rows the node sees: its path from the root, itself last
+        committed = past + len(path) - 1  # entries before its one-token step
+        cache_k, cache_v = (torch.zeros(1, kv_heads, committed + 1 + 50, d, dtype=torch.bfloat16) for _ in range(2))
+        for cache, source in ((cache_k, key), (cache_v, value)):
+            cache[:, :, :past] = source[:, :, :past]
+            cache[:, :, past : committed + 1] = source[:, :, [past + j for j in path]]
+        alone = row_attention(*on_device(query[:, :, i : i + 1], cache_k, cache_v, torch.tensor([committed]), *table([[0]])), scale)
+        assert torch.equal(alone.cpu()[:, 0], in_pass[:, i]), i
+
+
+def test_a_row_is_the_same_with_its_keys_listed_from_slot_zero():
+    """A plan read from a mask lists every visible slot (past 0); the engine's lists only the pass's
+    rows after the cache's entries: the same keys in the same order, so the same bits."""
+    torch.manual_seed(3)
+    past, rows = 37, tree_rows([-1, 0, -1, 2, 3])
+    query = torch.randn(1, 4, len(rows), 16)
+    key, value = torch.randn(1, 2, 60, 16), torch.randn(1, 2, 60, 16)
+    relative = row_attention(*on_device(query, key, value, torch.tensor([past]), *table(rows)), 0.25)
+    absolute = row_attention(*on_device(query, key, value, torch.tensor([0]), *table([[*range(past), *(past + j for j in r)] for r in rows])), 0.25)
+    assert torch.equal(relative, absolute)
+
+
+# ---------------------------------------------------------------------------------------------
 # without the interpreter
 
 
@@ -222,6 +293,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from localspec_kernels.triton_int4 import _int4_matmul_kernel
 from localspec_kernels.triton_sampling import _rejection_sample_kernel
+from localspec_kernels.triton_row_attention import _row_attention_kernel
 
 def build(kernel, types, constexprs):
     signature = dict(zip(kernel.arg_names, types + ["constexpr"] * len(constexprs)))
@@ -235,6 +307,9 @@ for dtype, precision in (("bf16", "tf32"), ("fp16", "tf32"), ("fp32", "ieee")):
 for has_q in (False, True):
     build(_rejection_sample_kernel, ["*fp32", "i32", "*fp32", "i32", "*i32", "*i32", "*fp32", "*fp32", "*i32", "*i32", "i32", "i32"],
           dict(HAS_Q=has_q, BLOCK_V=1024))
+for dtype in ("bf16", "fp16", "fp32"):
+    build(_row_attention_kernel, [f"*{dtype}"] * 4 + ["*i64"] * 3 + ["i32", "fp32"] + ["i32"] * 11,
+          dict(D=128, GROUPS=6, BLOCK_D=128, BLOCK_N=32))
 print("compiled")
 """
 
@@ -249,15 +324,16 @@ def test_kernels_compile_for_a_gpu():
 def test_modules_import_without_triton():
     code = (
         "import sys; sys.modules['triton'] = None\n"  # makes `import triton` raise ImportError
-        "from localspec_kernels import triton_int4, triton_sampling\n"
+        "from localspec_kernels import triton_int4, triton_row_attention, triton_sampling\n"
         "assert not triton_int4.triton_available()\n"
-        "try:\n"
-        "    triton_sampling.rejection_sample(*[None] * 6)\n"
-        "except RuntimeError as e:\n"
-        "    print(e)\n"
+        "for kernel, args in ((triton_sampling.rejection_sample, 6), (triton_row_attention.row_attention, 7)):\n"
+        "    try:\n"
+        "        kernel(*[None] * args)\n"
+        "    except RuntimeError as e:\n"
+        "        print(e)\n"
     )
     result = run_python(code)
-    assert result.returncode == 0 and "needs triton" in result.stdout, result.stderr[-3000:]
+    assert result.returncode == 0 and result.stdout.count("needs triton") == 2, result.stderr[-3000:]
 
 
 # ---------------------------------------------------------------------------------------------
