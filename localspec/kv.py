@@ -5,11 +5,15 @@ A transformers 5 `Cache` of `SlotLayer`s, one per model layer, each holding keys
 (B, H_kv, capacity, D) buffer. The model sees views of the filled part; rejected slots are simply
 overwritten by the next pass (as in gpt-fast). When a write would overflow, the buffer is replaced
 by one twice as large (at least `BLOCK` more slots), so growing costs O(1) per token amortised and
-a long conversation reallocates only a few times.
+a long conversation reallocates only a few times. A cache made with a `capacity` has that many
+slots from its first write, so passes within it never reallocate (what CUDA graphs need, which
+replay fixed addresses), and a pass may write at slots given on the device (`SlotLayer.update`
+with `slots`), which moves no host length: its caller says how far it wrote (`extend_to`).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 
 import torch
@@ -23,9 +27,11 @@ class Slots:
     """Rows along dim -2 of a preallocated buffer: a write goes in place, cutting back moves a
     length, and a full buffer is replaced by one twice as large (O(1) per row, amortised)."""
 
-    def __init__(self) -> None:
+    def __init__(self, capacity: int = 0) -> None:
         self.buffer: torch.Tensor | None = None  # (..., capacity, D)
         self.length = 0
+        self.capacity = capacity
+        """Rows the first buffer is made with (0: `BLOCK`); a full one is still replaced."""
 
     @property
     def filled(self) -> torch.Tensor | None:
@@ -40,12 +46,23 @@ class Slots:
         self.buffer[..., start:end, :] = rows
         self.length = end
 
+    def write_at(self, index: torch.Tensor, rows: torch.Tensor, end: int) -> None:
+        """rows (..., n, D) into the slots `index` (n,) on the device, all below `end`; the length
+        stays for the caller to set. Grows first only when `end` does not fit, which a captured
+        pass never meets (graphs.py checks the room before)."""
+        if self.buffer is None or end > self.buffer.shape[-2]:
+            self._grow(rows, end)
+        self.buffer.index_copy_(self.buffer.dim() - 2, index, rows)
+
     def cut(self, length: int) -> None:
         self.length = min(self.length, length)
 
     def _grow(self, like: torch.Tensor, needed: int) -> None:
         capacity = self.buffer.shape[-2] if self.buffer is not None else 0
-        capacity = max(needed, 2 * capacity, capacity + BLOCK)
+        if capacity == 0 and self.capacity:  # the first buffer of a fixed-capacity cache
+            capacity = max(needed, self.capacity)
+        else:
+            capacity = max(needed, 2 * capacity, capacity + BLOCK)
         # made outside inference mode even during generation, so that a forward outside it (a
         # probe, a test) may still write to it
         with torch.inference_mode(False):
@@ -59,10 +76,14 @@ class SlotLayer(DynamicLayer):
     """One layer's keys and values, each in `Slots` (a DynamicLayer whose `keys` and `values` are
     views of the filled slots)."""
 
+    def __init__(self, capacity: int = 0) -> None:
+        super().__init__()
+        self.capacity = capacity
+
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device = key_states.device
-        self.key_slots, self.value_slots = Slots(), Slots()
-        self.key_slots.write(0, key_states[..., :0, :])  # allocates: (B, H_kv, BLOCK, D)
+        self.key_slots, self.value_slots = Slots(self.capacity), Slots(self.capacity)
+        self.key_slots.write(0, key_states[..., :0, :])  # allocates: (B, H_kv, max(BLOCK, capacity), D)
         self.value_slots.write(0, value_states[..., :0, :])
         self.is_initialized = True
         self._show()
@@ -82,10 +103,25 @@ class SlotLayer(DynamicLayer):
         self.value_slots.cut(length)
         self._show()
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
-        """key/value_states (B, H_kv, T, D) -> all keys/values so far, (B, H_kv, length + T, D) views."""
+    def extend_to(self, length: int) -> None:
+        """The first `length` slots hold entries: after a pass written at slots on the device."""
+        self.key_slots.length = self.value_slots.length = length
+        self._show()
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, slots: torch.Tensor | None = None,
+               end: int = 0, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        """key/value_states (B, H_kv, T, D) -> all keys/values so far, (B, H_kv, length + T, D) views.
+
+        With `slots` (T,) on the device: written there (all below `end`), the length left for the
+        caller to set, and the whole buffers returned, (B, H_kv, capacity, D): which of them a row
+        sees comes from the device too (attention.RowTable)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        if slots is not None:
+            self.key_slots.write_at(slots, key_states, end)
+            self.value_slots.write_at(slots, value_states, end)
+            self._show()  # a grown buffer's views
+            return self.key_slots.buffer, self.value_slots.buffer
         start = self.length
         self.key_slots.write(start, key_states)
         self.value_slots.write(start, value_states)
@@ -105,8 +141,9 @@ class SlotLayer(DynamicLayer):
 
 
 class KVCache:
-    def __init__(self) -> None:
-        self.cache = Cache(layer_class_to_replicate=SlotLayer)
+    def __init__(self, capacity: int = 0) -> None:
+        """capacity: slots per layer made on the first write (0: grown as needed from `BLOCK`)."""
+        self.cache = Cache(layer_class_to_replicate=functools.partial(SlotLayer, capacity))
 
     def __len__(self) -> int:
         return self.cache.get_seq_length()
@@ -132,6 +169,13 @@ class KVCache:
             if layer.device not in on_device:
                 on_device[layer.device] = index.to(layer.device)
             layer.keep(on_device[layer.device], start)
+
+
+def extend_to(cache: Cache, length: int) -> None:
+    """Every layer of a `KVCache`'s cache now holds `length` entries (a pass wrote them at slots
+    given on the device)."""
+    for layer in cache.layers:
+        layer.extend_to(length)
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

@@ -1,11 +1,41 @@
-"""`CachedTokens`: the record of which tokens a cache's entries stand for, and the cut that makes a
-cache follow a token sequence that changed."""
+"""The KV cache's fixed-capacity mode and its writes at slots given on the device; `CachedTokens`:
+the record of which tokens a cache's entries stand for, and the cut that makes a cache follow a
+token sequence that changed."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
-from localspec.kv import CachedTokens, common_prefix
+from localspec.kv import CachedTokens, KVCache, common_prefix, extend_to
+
+
+@torch.inference_mode()
+def test_cache_writes_at_slots_from_the_device():
+    kv = KVCache(8)
+    layer_keys = torch.arange(2 * 3 * 2, dtype=torch.float32).view(1, 2, 3, 2)  # (B, H_kv, T, D)
+    kv.cache.update(layer_keys[:, :, :1], layer_keys[:, :, :1], 0)  # one entry through the host path
+    keys, _ = kv.cache.update(layer_keys, layer_keys, 0, slots=torch.tensor([1, 2, 3]), end=4)
+    assert keys.shape == (1, 2, 8, 2)  # the whole buffer: rows read which slots they see from the device
+    assert len(kv) == 1  # the host length is the caller's to move
+    extend_to(kv.cache, 4)
+    assert len(kv) == 4 and torch.equal(kv.cache.layers[0].keys[:, :, 1:], layer_keys)
+
+
+@torch.inference_mode()
+def test_a_fixed_capacity_cache_keeps_its_buffers_until_it_overflows():
+    kv = KVCache(16)
+    row = torch.ones(1, 2, 1, 4)
+    kv.cache.update(row, row, 0)
+    buffer = kv.cache.layers[0].key_slots.buffer
+    assert buffer.shape[-2] == 16
+    for _ in range(14):
+        kv.cache.update(row, row, 0)
+    kv.keep(3, [0, 2, 5])
+    assert kv.cache.layers[0].key_slots.buffer is buffer  # rollback and compaction in place
+    kv.cache.update(torch.ones(1, 2, 30, 4), torch.ones(1, 2, 30, 4), 0)  # past the capacity: an eager pass grows it
+    assert kv.cache.layers[0].key_slots.buffer.shape[-2] >= 36 and len(kv) == 36
+    assert KVCache().cache.layer_class_to_replicate().capacity == 0  # the default grows from BLOCK, as before
 
 
 class FakeCache:
