@@ -21,7 +21,10 @@ keys each row sees is planned on the host from the draft's shape (`RowPlan`), on
 the loop over rows only launches work. On an x86 CPU with AVX-512 a compiled kernel
 (`localspec_kernels.cpu_attention`) computes every row of a pass in one call per layer, each row
 alone and in the same way whatever the other rows are, reading keys and values in place; the
-torch loop is its reference and the path elsewhere.
+torch loop is its reference and the path elsewhere. On CUDA with Triton, one kernel
+(`localspec_kernels.triton_row_attention`) computes every row of a pass per layer, reading where
+each row stands from a `RowTable` on the device, so a CUDA graph can replay the pass
+(localspec/graphs.py); each row is computed alone there too, the same way whatever the other rows.
 """
 
 from __future__ import annotations
@@ -37,6 +40,8 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from localspec.config import home_dir
 from localspec_kernels.cpu_attention import AttentionKernel, VisibleRows, load as load_attention_kernel
 from localspec_kernels.cpu_build import KernelUnavailable
+from localspec_kernels.triton_int4 import triton_available
+from localspec_kernels.triton_row_attention import row_attention
 
 NAME = "localspec_exact"
 ROW_BY_ROW_UP_TO = 128
@@ -57,6 +62,8 @@ class RowPlan:
     when every row sees a prefix."""
     spans: list[tuple[int, int, bool]]
     """Per row: (offset into slots, n_i, whether the slots are just past..past + n_i - 1)."""
+    rows: list[list[int]]
+    """Per row: the pass's rows it sees, ascending (the same plan for a `RowTable`)."""
 
     @classmethod
     def from_rows(cls, past: int, rows: list[list[int]], device: torch.device) -> RowPlan:
@@ -67,7 +74,7 @@ class RowPlan:
             flat.extend(past + s for s in seen)
         prefixes = all(prefix for _, _, prefix in spans)
         slots = None if prefixes else torch.tensor(flat, dtype=torch.long).to(device, non_blocking=True)
-        return cls(past, slots, spans)
+        return cls(past, slots, spans, rows)
 
     @classmethod
     def from_mask(cls, mask: torch.Tensor) -> RowPlan:
@@ -84,6 +91,51 @@ class RowPlan:
         prefixes = [self.past + n if prefix else self.past for _, n, prefix in self.spans]
         extras = [[] if prefix else flat[start : start + n] for start, n, prefix in self.spans]
         return VisibleRows(prefixes, extras)
+
+
+class RowTable:
+    """Where each row of a pass stands, as one int64 tensor on the model's device: the slot each row
+    writes, and the keys it sees (the first `past` cache entries, then `seen[i, :count[i]]` after
+    them). The Triton row attention and the cache writes read it there, so a captured CUDA graph
+    replays a pass with new values copied in (localspec/graphs.py).
+    Layout: [past | slots (T) | count (T) | seen (T x E)], E the longest row."""
+
+    def __init__(self, packed: torch.Tensor, t: int) -> None:
+        self.packed = packed
+        self.past = packed[:1]  # (1,) cache entries every row sees
+        self.slots = packed[1 : 1 + t]  # (T,) where row i's key and value go
+        self.count = packed[1 + t : 1 + 2 * t]  # (T,) how many keys after `past` row i sees
+        self.seen = packed[1 + 2 * t :].view(t, -1)  # (T, E) their offsets from past, ascending, zero-padded
+
+    @staticmethod
+    def pack(start: int, past: int, rows: list[list[int]], width: int = 0) -> torch.Tensor:
+        """The table on the host for a pass writing from slot `start`; rows[i]: the offsets from
+        `past` row i sees (a plan's rows; a chain's: `causal_rows`), padded to `width` (E) if given."""
+        width = width or max(map(len, rows))
+        seen = [j for row in rows for j in row + [0] * (width - len(row))]
+        return torch.tensor([past, *range(start, start + len(rows)), *map(len, rows), *seen], dtype=torch.long)
+
+    @classmethod
+    def build(cls, start: int, past: int, rows: list[list[int]], device: torch.device) -> RowTable:
+        return cls(cls.pack(start, past, rows).to(device, non_blocking=True), len(rows))
+
+
+@functools.lru_cache(maxsize=130)
+def causal_rows(t: int) -> list[list[int]]:
+    """A chain's plan: row i sees rows 0..i."""
+    return [list(range(i + 1)) for i in range(t)]
+
+
+def rows_on_device(device: torch.device) -> bool:
+    """Whether a pass's rows run as one Triton launch per layer reading a `RowTable` (CUDA with
+    Triton); elsewhere the CPU kernel or the torch loop computes them."""
+    return device.type == "cuda" and triton_available()
+
+
+def table_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, table: RowTable,
+                    scale: float) -> torch.Tensor:
+    """query (1, H, T, D), key/value (1, Hkv, S, D) -> (1, T, H, D): the rows `table` describes."""
+    return row_attention(query, key, value, table.past, table.count, table.seen, scale)
 
 
 @functools.cache
@@ -111,6 +163,9 @@ def exact_attention(module, query, key, value, attention_mask, dropout=0.0, scal
     if row_plan is None and attention_mask is not None:
         row_plan = RowPlan.from_mask(attention_mask[0, 0])
     scale = scaling if scaling is not None else d**-0.5
+    if rows_on_device(query.device):
+        past, rows = (s - t, causal_rows(t)) if row_plan is None else (row_plan.past, row_plan.rows)
+        return table_attention(query, key, value, RowTable.build(s - t, past, rows, query.device), scale), None
     kernel = _cpu_kernel() if query.device.type == "cpu" and query.dtype == key.dtype == value.dtype == torch.float32 else None
     if kernel is not None and key.stride(2) == d and value.stride(2) == d and key.stride(3) == value.stride(3) == 1:
         rows = _causal_rows(t, s) if row_plan is None else row_plan.visible_rows

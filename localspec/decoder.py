@@ -12,6 +12,11 @@ and the same row-exact attention, for the passes generation makes many of: batch
 `ROW_BY_ROW_UP_TO` new tokens. Every other call (a long prefill, padding masks, another
 architecture, hidden-state outputs) takes transformers' own forward, which is also the reference
 the tests compare against.
+
+On CUDA (with Triton) a pass reads where its rows stand from a `RowTable` on the device, built once
+per pass: the new keys and values go to the cache at the table's slots and one Triton launch per
+layer computes every row's attention, so the pass has fixed shapes and addresses and
+localspec/graphs.py can capture it as a CUDA graph (giving it a table of its own, copied into).
 """
 
 from __future__ import annotations
@@ -22,7 +27,18 @@ import sys
 import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from localspec.attention import NAME as EXACT_ATTENTION, ROW_BY_ROW_UP_TO, RowPlan, exact_attention, use_exact_attention
+from localspec.attention import (
+    NAME as EXACT_ATTENTION,
+    ROW_BY_ROW_UP_TO,
+    RowPlan,
+    RowTable,
+    causal_rows,
+    exact_attention,
+    rows_on_device,
+    table_attention,
+    use_exact_attention,
+)
+from localspec.kv import extend_to
 
 LEAN_KWARGS = {"input_ids", "position_ids", "attention_mask", "cache", "past_key_values", "use_cache", "logits_to_keep",
                "row_plan"}
@@ -96,40 +112,55 @@ def lean_call(kwargs: dict) -> bool:
 
 def lean_forward(model: torch.nn.Module, input_ids: torch.Tensor, cache=None, past_key_values=None,
                  position_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
-                 logits_to_keep: int = 0, row_plan: RowPlan | None = None, use_cache: bool = True) -> torch.Tensor:
+                 logits_to_keep: int = 0, row_plan: RowPlan | None = None, use_cache: bool = True,
+                 table: RowTable | None = None) -> torch.Tensor:
     """input_ids (1, T) new tokens after the cache's entries -> logits (1, keep or T, V).
 
     position_ids (1, T) default to the positions after the cache; attention_mask (1, 1, T, S) bool
-    or additive, only for tree passes, read once here (a `row_plan` from the engine saves even that)."""
+    or additive, only for tree passes, read once here (a `row_plan` from the engine saves even that).
+    `table`: the rows' places on the device, given by a caller that moves the cache's lengths
+    itself (a CUDA graph); on CUDA one is built here otherwise."""
     cache = cache if cache is not None else past_key_values
     base = model.model
     t = input_ids.shape[1]
+    past = cache.get_seq_length()
     if position_ids is None:
-        past = cache.get_seq_length()
         position_ids = torch.arange(past, past + t, device=input_ids.device)[None]  # (1, T)
     if row_plan is None and attention_mask is not None:
         row_plan = RowPlan.from_mask(attention_mask[0, 0])
+    built = table is None and rows_on_device(input_ids.device)
+    if built:
+        rows = (past, causal_rows(t)) if row_plan is None else (row_plan.past, row_plan.rows)
+        table = RowTable.build(past, *rows, input_ids.device)
     hidden = base.embed_tokens(input_ids)  # (1, T, Hd)
     cos, sin = base.rotary_emb(hidden, position_ids)  # (1, T, D) each
     for index, layer in enumerate(base.layers):
-        hidden = hidden + _attention(layer.self_attn, layer.input_layernorm(hidden), cos, sin, cache, index, row_plan)
+        hidden = hidden + _attention(layer.self_attn, layer.input_layernorm(hidden), cos, sin, cache, index, row_plan,
+                                     table, past + t)
         normed = layer.post_attention_layernorm(hidden)  # (1, T, Hd)
         mlp = layer.mlp
         hidden = hidden + mlp.down_proj(mlp.act_fn(mlp.gate_proj(normed)) * mlp.up_proj(normed))
+    if built:
+        extend_to(cache, past + t)
     hidden = base.norm(hidden)  # (1, T, Hd)
     kept = hidden[:, -logits_to_keep:] if logits_to_keep else hidden  # (1, keep, Hd)
     return model.lm_head(kept)  # (1, keep, V)
 
 
 def _attention(attention, normed: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache, index: int,
-               row_plan: RowPlan | None) -> torch.Tensor:
-    """One layer's attention block: normed (1, T, Hd) -> (1, T, Hd), the new keys/values written to the cache."""
+               row_plan: RowPlan | None, table: RowTable | None, end: int) -> torch.Tensor:
+    """One layer's attention block: normed (1, T, Hd) -> (1, T, Hd), the new keys/values written to
+    the cache (at the table's slots, below `end`, when there is a table)."""
     t, d = normed.shape[1], attention.head_dim
     query = attention.q_proj(normed).view(1, t, -1, d).transpose(1, 2)  # (1, H, T, D)
     key = attention.k_proj(normed).view(1, t, -1, d).transpose(1, 2)  # (1, Hkv, T, D)
     value = attention.v_proj(normed).view(1, t, -1, d).transpose(1, 2)  # (1, Hkv, T, D)
     # the model's own rotary function, the one its transformers forward applies
     query, key = sys.modules[type(attention).__module__].apply_rotary_pos_emb(query, key, cos, sin)
-    keys, values = cache.update(key, value, index)  # (1, Hkv, S, D) views of the cache
-    out, _ = exact_attention(attention, query, keys, values, None, scaling=attention.scaling, row_plan=row_plan)
+    if table is not None:
+        keys, values = cache.update(key, value, index, slots=table.slots, end=end)  # (1, Hkv, capacity, D) buffers
+        out = table_attention(query, keys, values, table, attention.scaling)
+    else:
+        keys, values = cache.update(key, value, index)  # (1, Hkv, S, D) views of the cache
+        out, _ = exact_attention(attention, query, keys, values, None, scaling=attention.scaling, row_plan=row_plan)
     return attention.o_proj(out.reshape(1, t, -1))  # out (1, T, H, D) -> (1, T, Hd)
