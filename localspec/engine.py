@@ -18,6 +18,7 @@ from localspec.config import GenerationLimits, SamplingConfig, SpecConfig
 from localspec.costs import CostModel
 from localspec.decoder import use_exact_pass
 from localspec.errors import LocalspecError, is_out_of_memory
+from localspec.graphs import GraphRunner, capacity
 from localspec.kv import CachedTokens, KVCache
 from localspec.policy import DraftPolicy, Proposal
 from localspec.proposers.base import Proposer
@@ -143,7 +144,9 @@ class Engine:
         self.proposer_reason = proposer_reason
         self.device = next(model.parameters()).device
         self.eos = eos_ids(model, tokenizer) if tokenizer is not None else set()
-        self.kv = KVCache()
+        # on CUDA, decode and verify passes replay from CUDA graphs, over a cache that keeps its buffers
+        self.graphs = GraphRunner(model) if self.device.type == "cuda" else None
+        self.kv = KVCache(capacity(self.context_len) if self.graphs else 0)
         self.kv_tokens = CachedTokens(self.kv.truncate)
         # a model proposer also carries prompt lookup's guesses: free, and right where text repeats
         self.lookup = NgramProposer(spec.ngram_min, spec.ngram_max) if spec.lookup and proposer is not None and proposer.has_model else None
@@ -188,6 +191,13 @@ class Engine:
 
     def _forward_unguarded(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None, keep: int,
                            plan: RowPlan | None):
+        if self.graphs is not None:
+            logits = self.graphs.run(self.kv, ids, positions, plan, keep)  # None: this pass runs eagerly
+            if self.graphs.off:
+                self.stats.notices.append(self.graphs.off)
+                self.graphs = None
+            if logits is not None:
+                return logits
         out = self.model(
             input_ids=ids.to(self.device),
             position_ids=positions.to(self.device),
