@@ -13,10 +13,13 @@
 // No torch headers: the threads come from OpenMP, which resolves to the libgomp that torch has
 // already loaded (same soname), so torch and this kernel share one thread pool.
 
+#include <cpuid.h>
 #include <immintrin.h>
 #include <omp.h>
 #include <stdint.h>
 #include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 namespace {
 
@@ -176,6 +179,124 @@ void tile_avx2(const uint8_t* blocks, int64_t groups, const int8_t* q, int64_t k
   }
 }
 
+// ---- AMX: the same sums for 16 rows at once, on the tile unit ----------------------------------
+//
+// For a group, the 16 rows' 32 activations (a 16 x 32-byte tile read in place from the quantized
+// rows) times the tile's codes (unpacked to bytes: 8 x 64, the layout the dot product wants, which
+// is how the blocks already order them) give all 16 x 16 integer sums in one TDPBSSD (codes 0..15
+// are valid signed bytes). The sums are exact int32, as with VNNI, and the float steps after them
+// are the VNNI tile's, in the same order: a row's result is bit-identical on either path. The
+// tile unit works on group g while the vector units scale and add group g-1's sums (two sets of
+// tiles and buffers), so a group costs one TDPBSSD plus its float epilogue instead of 128
+// VPDPBUSDs.
+
+constexpr int AMX_ROWS = 16;
+constexpr int LAG = 3;           // groups in flight on the tile unit while the vector units finish older ones
+constexpr int UNPACK_AHEAD = 7;  // (both + 1 are powers of two: they index rings)
+
+struct TileConfig {
+  uint8_t palette;
+  uint8_t start_row;
+  uint8_t reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+// tiles 0/1: sums (16 rows x 16 int32), 2/3: activations (16 x 32 bytes), 4/5: codes (8 x 64 bytes).
+// A global, not a local: GCC 12 does not see that ldtilecfg reads the local and drops its stores.
+const TileConfig TILES = [] {
+  TileConfig config = {};
+  config.palette = 1;
+  for (int t = 0; t < 4; ++t) config.rows[t] = AMX_ROWS, config.colsb[t] = 64;
+  for (int t = 0; t < 2; ++t) {
+    config.rows[4 + t] = AMX_ROWS, config.colsb[4 + t] = GROUP;
+    config.rows[6 + t] = GROUP / 4, config.colsb[6 + t] = 64;
+  }
+  return config;
+}();
+
+__attribute__((target("amx-tile")))
+void configure_tiles() { _tile_loadconfig(&TILES); }
+
+__attribute__((target("amx-tile")))
+void release_tiles() { _tile_release(); }
+
+// The tile numbers must be literals (the intrinsics paste them into the instruction).
+#define GROUP_SUMS_AMX(SUMS, ACTIVATIONS, CODES, activations, k, codes, sums) \
+  do {                                                                      \
+    _tile_loadd(ACTIVATIONS, activations, k);                               \
+    _tile_loadd(CODES, codes, 64);                                          \
+    _tile_zero(SUMS);                                                       \
+    _tile_dpbssd(SUMS, ACTIVATIONS, CODES);                                 \
+    _tile_stored(SUMS, sums, 64);                                           \
+  } while (0)
+
+// A block's codes as bytes, 8 rows of 64: row p holds inputs 4p..4p+3 (the low nibbles of vector
+// p), row 4 + p inputs 16 + 4p.. (its high nibbles). This runs a few groups before the tile load
+// that reads it: a tile load waits for the stores it overlaps to reach the cache, which measured
+// as long as the rest of a group's work.
+__attribute__((target("avx512f,avx512bw"), always_inline))
+inline void unpack(const uint8_t* block, int8_t* codes) {
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  for (int p = 0; p < 4; ++p) {
+    __m512i v = _mm512_loadu_si512((const void*)(block + 64 * p));
+    _mm512_store_si512((void*)(codes + 64 * p), _mm512_and_si512(v, low));
+    _mm512_store_si512((void*)(codes + 64 * (4 + p)), _mm512_and_si512(_mm512_srli_epi16(v, 4), low));
+  }
+}
+
+// total[r] += scale * sums[r] + min * (row r's sum of the group's activations), as in tile_avx512
+__attribute__((target("avx512f,f16c,fma"), always_inline))
+inline void add_group(__m512* total, const uint8_t* block, const int32_t* sums, const float* group_sums, int64_t groups) {
+  const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(block + CODE_BYTES)));
+  const __m512 mins = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(block + CODE_BYTES + 32)));
+  for (int r = 0; r < AMX_ROWS; ++r) {
+    total[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512((const void*)(sums + r * TILE))), scale, total[r]);
+    total[r] = _mm512_fmadd_ps(mins, _mm512_set1_ps(group_sums[r * groups]), total[r]);
+  }
+}
+
+__attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,f16c,fma")))
+void tile_amx(const uint8_t* blocks, int64_t groups, const int8_t* q, int64_t k, const float* group_sums,
+              const float* row_scales, const float* bias, float* out, int64_t n, int64_t n0) {
+  alignas(64) int8_t codes[UNPACK_AHEAD + 1][8 * 64];
+  alignas(64) int32_t sums[LAG + 1][AMX_ROWS * TILE];
+  const __m512i low = _mm512_set1_epi8(0x0F);
+
+  __m512 total[AMX_ROWS];
+  for (int r = 0; r < AMX_ROWS; ++r) total[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < UNPACK_AHEAD && g < groups; ++g) unpack(blocks + g * BLOCK_BYTES, codes[g]);
+  for (int64_t g = 0; g < groups; ++g) {
+    prefetch_block(blocks + (g + PREFETCH_GROUPS) * BLOCK_BYTES);
+    if (g + UNPACK_AHEAD < groups) unpack(blocks + (g + UNPACK_AHEAD) * BLOCK_BYTES, codes[(g + UNPACK_AHEAD) & UNPACK_AHEAD]);
+    const int8_t* c = codes[g & UNPACK_AHEAD];
+    int32_t* s = sums[g & LAG];
+    switch (g & LAG) {
+      case 0: GROUP_SUMS_AMX(0, 4, 6, q + g * GROUP, k, c, s); break;
+      case 1: GROUP_SUMS_AMX(1, 5, 7, q + g * GROUP, k, c, s); break;
+      case 2: GROUP_SUMS_AMX(2, 4, 6, q + g * GROUP, k, c, s); break;
+      default: GROUP_SUMS_AMX(3, 5, 7, q + g * GROUP, k, c, s); break;
+    }
+    if (g >= LAG) add_group(total, blocks + (g - LAG) * BLOCK_BYTES, sums[(g - LAG) & LAG], group_sums + g - LAG, groups);
+  }
+  for (int64_t g = groups > LAG ? groups - LAG : 0; g < groups; ++g)
+    add_group(total, blocks + g * BLOCK_BYTES, sums[g & LAG], group_sums + g, groups);
+  const int64_t width = n - n0 < TILE ? n - n0 : TILE;
+  const __mmask16 keep = (__mmask16)((1u << width) - 1u);
+  const __m512 add = bias ? _mm512_maskz_loadu_ps(keep, bias + n0) : _mm512_setzero_ps();
+  for (int r = 0; r < AMX_ROWS; ++r) {
+    __m512 y = _mm512_add_ps(_mm512_mul_ps(total[r], _mm512_set1_ps(row_scales[r])), add);
+    _mm512_mask_storeu_ps(out + r * n + n0, keep, y);
+  }
+}
+
+bool amx_usable() {
+  unsigned a, b, c, d;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 24)) || !(d & (1u << 25))) return false;
+  // Linux hands out the tile state only to a process that asks (ARCH_REQ_XCOMP_PERM, XTILEDATA)
+  return syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+}
+
 typedef void (*TileFn)(const uint8_t*, int64_t, const int8_t*, int64_t, const float*, const float*, const float*,
                        float*, int64_t, int64_t);
 
@@ -184,19 +305,19 @@ TileFn tile_fn(int isa, int rows) {
   static const TileFn avx512[] = {tile_avx512<1>, tile_avx512<2>, tile_avx512<3>, tile_avx512<4>,
                                   tile_avx512<5>, tile_avx512<6>, tile_avx512<7>, tile_avx512<8>};
   static const TileFn avx2[] = {tile_avx2<1>, tile_avx2<2>};
-  return isa == 2 ? avx512[rows - 1] : avx2[rows - 1];
+  return isa >= 2 ? avx512[rows - 1] : avx2[rows - 1];
 }
 
 }  // namespace
 
 extern "C" {
 
-// 2: AVX-512 VNNI, 1: AVX2, 0: neither (the caller falls back to other formats).
+// 3: AMX with AVX-512 VNNI, 2: AVX-512 VNNI, 1: AVX2, 0: none (the caller falls back to other formats).
 int w4a8_isa(void) {
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
       __builtin_cpu_supports("f16c") && __builtin_cpu_supports("fma"))
-    return 2;
+    return amx_usable() ? 3 : 2;
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) return 1;
   return 0;
 }
@@ -211,20 +332,30 @@ void w4a8_linear(const float* x, int64_t m, int64_t k, const uint8_t* blocks, in
   float* row_scales = group_sums + m * groups;
 #pragma omp parallel for schedule(static) if (m * k >= (1 << 16))
   for (int64_t r = 0; r < m; ++r) {
-    if (isa == 2) quantize_row_avx512(x + r * k, k, q + r * k, row_scales + r, group_sums + r * groups);
+    if (isa >= 2) quantize_row_avx512(x + r * k, k, q + r * k, row_scales + r, group_sums + r * groups);
     else quantize_row_avx2(x + r * k, k, q + r * k, row_scales + r, group_sums + r * groups);
   }
   const int64_t tiles = (n + TILE - 1) / TILE;
-  const int chunk = isa == 2 ? 8 : 2;
-  // dynamic: a thread the OS preempts (2 cores, other processes) does not hold half the work
-#pragma omp parallel for schedule(dynamic, 4) if (tiles > 1)
-  for (int64_t t = 0; t < tiles; ++t) {
-    const uint8_t* tile_blocks = blocks + t * groups * BLOCK_BYTES;
-    for (int64_t r0 = 0; r0 < m; r0 += chunk) {
-      const int rows = (int)(m - r0 < chunk ? m - r0 : chunk);
-      tile_fn(isa, rows)(tile_blocks, groups, q + r0 * k, k, group_sums + r0 * groups, row_scales + r0, bias,
-                         out + r0 * n, n, t * TILE);
+  const int chunk = isa >= 2 ? 8 : 2;
+  // rows in whole sets of 16 go to the tile unit, the rest to the vector units (the same numbers)
+  const int64_t amx_rows = isa == 3 ? m / AMX_ROWS * AMX_ROWS : 0;
+#pragma omp parallel if (tiles > 1)
+  {
+    if (amx_rows) configure_tiles();
+    // dynamic: a thread the OS preempts (2 cores, other processes) does not hold half the work
+#pragma omp for schedule(dynamic, 4)
+    for (int64_t t = 0; t < tiles; ++t) {
+      const uint8_t* tile_blocks = blocks + t * groups * BLOCK_BYTES;
+      for (int64_t r0 = 0; r0 < amx_rows; r0 += AMX_ROWS)
+        tile_amx(tile_blocks, groups, q + r0 * k, k, group_sums + r0 * groups, row_scales + r0, bias, out + r0 * n, n,
+                 t * TILE);
+      for (int64_t r0 = amx_rows; r0 < m; r0 += chunk) {
+        const int rows = (int)(m - r0 < chunk ? m - r0 : chunk);
+        tile_fn(isa, rows)(tile_blocks, groups, q + r0 * k, k, group_sums + r0 * groups, row_scales + r0, bias,
+                           out + r0 * n, n, t * TILE);
+      }
     }
+    if (amx_rows) release_tiles();
   }
 }
 

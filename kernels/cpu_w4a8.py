@@ -6,9 +6,11 @@ make each extra row pay its own multiply-adds (llama.cpp's 16-token pass costs 5
 pass); oneDNN's int8 x int8 (`cpu_w8a8`) is flat but reads 8 bits per weight. This kernel reads
 5 bits per weight (4-bit codes plus fp16 scale and min per group of 32), multiplies them against
 every row of the pass with VNNI's u8 x s8 dot product (AVX2's maddubs elsewhere) while a tile of
-weights is in cache, and sums exactly in int32. Measured on a 2-core AVX-512 VNNI VM over the
-1.5B's linears: 4 rows cost 1.1x what 1 row does (bound by the bytes), 16 rows 2.1x (bound by the
-dot products).
+weights is in cache, and sums exactly in int32. Where the CPU has AMX, whole sets of 16 rows take
+their integer sums from the tile unit instead (one TDPBSSD per group and 16 outputs, against 128
+VPDPBUSDs), with the same float steps after them, so the numbers are the same bit for bit.
+Measured on a 2-core AVX-512 VNNI VM over the 1.5B's linears: 4 rows cost 1.1x what 1 row does
+(bound by the bytes), 16 rows 2.1x on VNNI (bound by the dot products) and about 1.8x with AMX.
 
 Arithmetic, for a row x of the pass and an output feature n (groups g of 32 inputs):
     x ~ s_x * a              a = round(x / s_x) in [-127, 127], s_x = absmax(x) / 127 (per row)
@@ -46,7 +48,7 @@ GROUP = 32
 TILE = 16
 BLOCK_BYTES = 320
 SOURCE = Path(__file__).with_name("cpu_w4a8.cpp")
-ISA_NAMES = {2: "AVX-512 VNNI", 1: "AVX2"}
+ISA_NAMES = {3: "AMX + AVX-512 VNNI", 2: "AVX-512 VNNI", 1: "AVX2"}
 
 
 @functools.cache

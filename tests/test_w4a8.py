@@ -24,7 +24,7 @@ def kernel_or_none():
 
 KERNEL = kernel_or_none()
 needs_kernel = pytest.mark.skipif(KERNEL is None, reason="the w4a8 kernel cannot be built or run here")
-ISAS = [isa for isa in (2, 1) if KERNEL is not None and KERNEL.isa >= isa]
+ISAS = [isa for isa in (3, 2, 1) if KERNEL is not None and KERNEL.isa >= isa]
 
 
 def random_layer(n: int, k: int, seed: int):
@@ -38,14 +38,14 @@ def random_layer(n: int, k: int, seed: int):
 @needs_kernel
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("n, k", [(1, 32), (37, 64), (257, 96), (16, 1536), (300, 8960)])
-def test_kernel_matches_reference_for_every_width_and_a_row_alone_equals_the_row_among_16(isa, n, k):
+def test_kernel_matches_reference_for_every_width_and_a_row_alone_equals_the_row_among_many(isa, n, k):
     packed, scales, mins, bias = random_layer(n, k, seed=n + k)
     blocks = cpu_w4a8.pack(packed, scales, mins)
-    x = torch.randn(16, k, generator=torch.Generator().manual_seed(k)) * 3
+    x = torch.randn(35, k, generator=torch.Generator().manual_seed(k)) * 3
     x[5] = 0.0  # an all-zero row: scale clamps, output is the bias
     x[6, 0] = 1e4  # an outlier row
-    together = KERNEL.linear(x, blocks, n, bias, isa)  # (16, N)
-    for m in range(1, 17):
+    together = KERNEL.linear(x, blocks, n, bias, isa)  # (35, N): with AMX, two sets of 16 on the tile unit, 3 rows on VNNI
+    for m in [*range(1, 18), 32, 33]:
         got = KERNEL.linear(x[:m].contiguous(), blocks, n, bias, isa)
         # bit for bit: the rows of a verify pass compute what one-token decoding computes
         assert torch.equal(got, together[:m]), m
@@ -57,7 +57,7 @@ def test_kernel_matches_reference_for_every_width_and_a_row_alone_equals_the_row
 
 
 @needs_kernel
-def test_the_two_instruction_sets_agree_and_bias_is_optional():
+def test_the_instruction_sets_agree_and_bias_is_optional():
     if len(ISAS) < 2:
         pytest.skip("this CPU runs only the AVX2 path")
     packed, scales, mins, bias = random_layer(70, 192, seed=3)
@@ -67,6 +67,18 @@ def test_the_two_instruction_sets_agree_and_bias_is_optional():
     for isa in ISAS:
         got = KERNEL.linear(x, blocks, 70, None, isa)
         assert (got - reference).abs().max() <= 1e-5 * reference.abs().max()
+
+
+@needs_kernel
+def test_the_tile_unit_computes_what_the_vector_units_compute_bit_for_bit():
+    """AMX takes whole sets of 16 rows; its integer sums and float steps are VNNI's, so a model
+    computes the same numbers on a machine with AMX and on one without."""
+    if 3 not in ISAS:
+        pytest.skip("this CPU (or its kernel) has no AMX")
+    packed, scales, mins, bias = random_layer(300, 8960, seed=7)
+    blocks = cpu_w4a8.pack(packed, scales, mins)
+    x = torch.randn(48, 8960) * 2
+    assert torch.equal(KERNEL.linear(x, blocks, 300, bias, 3), KERNEL.linear(x, blocks, 300, bias, 2))
 
 
 @needs_kernel
