@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One-shot device check for a lent CUDA GPU, within 10 minutes: installs what CUDA needs (from a
-# local wheel folder when the machine reaches no registry), runs the CUDA-marked tests and the
-# Triton kernel tests compiled for real, times 1- and 16-token passes (scripts/gpu_check.py), tries
+# local wheel folder when the machine reaches no registry), runs the CUDA-marked tests (graph replay
+# against eager passes among them) and the Triton kernel tests compiled for real, times 1- and
+# 16-token passes eager and replayed from CUDA graphs (scripts/gpu_check.py), tries
 # a short `localspec bench`, and writes one JSON report to ${OUT:-.}/gpu_check.json (steps'
 # timeouts add up to 9.5 minutes).
 #   usage: OUT=dir [WHEELS=dir] bash scripts/gpu_check.sh
@@ -19,7 +20,7 @@ if ! python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 
 fi
 pip_args=(-q)
 if [ -n "${WHEELS:-}" ]; then pip_args+=(--no-index --find-links "$WHEELS"); fi
-timeout 120 pip install "${pip_args[@]}" -e ".[test,cuda]" >>"$log" 2>&1; install_rc=$?
+timeout 100 pip install "${pip_args[@]}" -e ".[test,cuda]" >>"$log" 2>&1; install_rc=$?
 
 step "cuda-marked tests, Triton kernels compiled (TRITON_INTERPRET=0)"
 TRITON_INTERPRET=0 OMP_NUM_THREADS=4 timeout 150 python -m pytest -q -p no:cacheprovider tests/test_cuda.py \
@@ -28,7 +29,7 @@ TRITON_INTERPRET=0 timeout 90 python -m pytest -q -p no:cacheprovider tests/test
   >"$out/pytest_triton.txt" 2>&1; triton_rc=$?
 
 step "pass timings"
-timeout 150 python scripts/gpu_check.py >"$out/timings.json" 2>>"$log"; timings_rc=$?
+timeout 170 python scripts/gpu_check.py >"$out/timings.json" 2>>"$log"; timings_rc=$?
 
 step "short bench (needs the default pair in the local mirror)"
 timeout 60 localspec bench --proposers none,ngram,draft --max-new-tokens 32 --no-hf --out "$out/bench.json" \

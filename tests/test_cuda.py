@@ -1,5 +1,6 @@
 """What only a CUDA GPU can check: sampling and verification on the device, bitsandbytes loading
-straight into the GPU, greedy identity and host syncs there. Skipped cleanly without a GPU;
+straight into the GPU, greedy identity and host syncs there, CUDA graphs of the passes against the
+eager passes. Skipped cleanly without a GPU;
 scripts/gpu_check.sh runs them (with the Triton kernels compiled for real) when one is lent.
 """
 
@@ -87,3 +88,54 @@ def test_nf4_loads_into_the_gpu_without_the_16bit_model():
     # bitsandbytes computes one row (gemv) and many rows (dequantize + matmul) differently on a GPU:
     # this says whether nf4 targets stay token-identical under speculation there
     assert got == expected
+
+
+def test_a_graph_replay_gives_the_eager_logits_bit_for_bit():
+    """The same kernels on the same values: chain passes of 1 and 4 rows and a tree pass, replayed
+    from captured graphs, against eager lean passes (which build their own row tables)."""
+    from localspec.attention import RowPlan
+    from localspec.decoder import lean_forward, use_exact_pass
+    from localspec.graphs import GraphRunner
+    from localspec.kv import KVCache
+    from localspec.tree import Draft, verify_inputs, visible_rows
+
+    target = on_gpu(tiny_model("llama", layers=4))
+    use_exact_pass(target)
+    runner = GraphRunner(target)
+    caches = []
+    for _ in range(2):
+        kv = KVCache(256)
+        lean_forward(target, torch.tensor([PROMPT_IDS], device=CUDA), kv.cache)
+        caches.append(kv)
+    replayed, eager = caches
+    tree = Draft(tokens=[11, 12, 13, 21, 22], parents=[-1, 0, 1, -1, 3])
+    for round_ in range(3):  # the first round captures, the later ones replay at other positions
+        for draft in (Draft.chain([]), Draft.chain([4, 5, 6]), tree):
+            past = len(replayed)
+            ids, positions, mask = verify_inputs(draft, 7 + round_, past)
+            plan = None if mask is None else RowPlan.from_rows(past, visible_rows(draft), CUDA)
+            got = runner.run(replayed, ids, positions, plan, keep=ids.shape[1])
+            expected = lean_forward(target, ids.to(CUDA), eager.cache, position_ids=positions.to(CUDA), row_plan=plan)[0]
+            assert got is not None, runner.off
+            assert torch.equal(got, expected), (round_, len(draft))
+            assert len(replayed) == len(eager) == past + ids.shape[1]
+            replayed.truncate(past + 1)
+            eager.truncate(past + 1)
+    assert sorted(runner.passes) == [1, 4, 6]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_greedy_identity_with_and_without_graphs(dtype):
+    """Replayed passes and eager ones give plain decoding's tokens (transformers' own greedy loop
+    on the same Triton rows), for every proposer whose passes a graph can replay."""
+    target = on_gpu(tiny_model("llama"), dtype)
+    expected = hf_greedy(target, PROMPT_IDS, 48)
+    for graphs in (True, False):
+        for proposer in (None, NgramProposer(), DraftModelProposer(on_gpu(tiny_model("llama", seed=1), dtype))):
+            engine = Engine(target, None, proposer, SpecConfig(draft_len=4))
+            runner = engine.graphs
+            if not graphs:
+                engine.graphs = None
+            got = [p.token_id for ev in engine.generate(PROMPT_IDS, limits=GenerationLimits(48)) for p in ev.pieces]
+            assert got == expected, (graphs, proposer)
+            assert not graphs or (engine.graphs is runner and runner.passes), engine.stats.notices

@@ -7,11 +7,15 @@ does; tests/test_cuda.py checks the captured graphs themselves.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from conftest import PROMPT_IDS, tiny_model
 
 pytest.importorskip("triton")
+if os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("runs the Triton rows on CPU tensors, under the interpreter", allow_module_level=True)
 
 from localspec.attention import RowPlan, RowTable, causal_rows, use_exact_attention  # noqa: E402
 from localspec.config import GenerationLimits, SpecConfig  # noqa: E402
