@@ -108,21 +108,21 @@ class RowTable:
         self.seen = packed[1 + 2 * t :].view(t, -1)  # (T, E) their offsets from past, ascending, zero-padded
 
     @staticmethod
-    def pack(start: int, past: int, rows: list[list[int]], width: int = 0) -> torch.Tensor:
-        """The table on the host for a pass writing from slot `start`; rows[i]: the offsets from
-        `past` row i sees (a plan's rows; a chain's: `causal_rows`), padded to `width` (E) if given."""
+    def pack(start: int, t: int, plan: RowPlan | None, width: int = 0) -> torch.Tensor:
+        """The table on the host for a pass of `t` rows writing from slot `start`: a chain's (no
+        plan: row i sees the cache and rows 0..i) or a tree's plan; `seen` padded to `width` if given."""
+        past, rows = (start, _chain_rows(t)) if plan is None else (plan.past, plan.rows)
         width = width or max(map(len, rows))
         seen = [j for row in rows for j in row + [0] * (width - len(row))]
-        return torch.tensor([past, *range(start, start + len(rows)), *map(len, rows), *seen], dtype=torch.long)
+        return torch.tensor([past, *range(start, start + t), *map(len, rows), *seen], dtype=torch.long)
 
     @classmethod
-    def build(cls, start: int, past: int, rows: list[list[int]], device: torch.device) -> RowTable:
-        return cls(cls.pack(start, past, rows).to(device, non_blocking=True), len(rows))
+    def build(cls, start: int, t: int, plan: RowPlan | None, device: torch.device) -> RowTable:
+        return cls(cls.pack(start, t, plan).to(device, non_blocking=True), t)
 
 
 @functools.lru_cache(maxsize=130)
-def causal_rows(t: int) -> list[list[int]]:
-    """A chain's plan: row i sees rows 0..i."""
+def _chain_rows(t: int) -> list[list[int]]:
     return [list(range(i + 1)) for i in range(t)]
 
 
@@ -164,8 +164,7 @@ def exact_attention(module, query, key, value, attention_mask, dropout=0.0, scal
         row_plan = RowPlan.from_mask(attention_mask[0, 0])
     scale = scaling if scaling is not None else d**-0.5
     if rows_on_device(query.device):
-        past, rows = (s - t, causal_rows(t)) if row_plan is None else (row_plan.past, row_plan.rows)
-        return table_attention(query, key, value, RowTable.build(s - t, past, rows, query.device), scale), None
+        return table_attention(query, key, value, RowTable.build(s - t, t, row_plan, query.device), scale), None
     kernel = _cpu_kernel() if query.device.type == "cpu" and query.dtype == key.dtype == value.dtype == torch.float32 else None
     if kernel is not None and key.stride(2) == d and value.stride(2) == d and key.stride(3) == value.stride(3) == 1:
         rows = _causal_rows(t, s) if row_plan is None else row_plan.visible_rows

@@ -32,7 +32,6 @@ from localspec.attention import (
     ROW_BY_ROW_UP_TO,
     RowPlan,
     RowTable,
-    causal_rows,
     exact_attention,
     rows_on_device,
     table_attention,
@@ -130,8 +129,7 @@ def lean_forward(model: torch.nn.Module, input_ids: torch.Tensor, cache=None, pa
         row_plan = RowPlan.from_mask(attention_mask[0, 0])
     built = table is None and rows_on_device(input_ids.device)
     if built:
-        rows = (past, causal_rows(t)) if row_plan is None else (row_plan.past, row_plan.rows)
-        table = RowTable.build(past, *rows, input_ids.device)
+        table = RowTable.build(past, t, row_plan, input_ids.device)
     hidden = base.embed_tokens(input_ids)  # (1, T, Hd)
     cos, sin = base.rotary_emb(hidden, position_ids)  # (1, T, D) each
     for index, layer in enumerate(base.layers):

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from localspec.attention import RowPlan, RowTable, causal_rows
+from localspec.attention import RowPlan, RowTable
 from localspec.decoder import lean_forward
 from localspec.kv import KVCache, extend_to
 from localspec_kernels.triton_int4 import triton_available
@@ -111,7 +111,7 @@ class GraphRunner:
         step = self.passes.get(w) or self._static(w)
         step.ids.copy_(ids, non_blocking=True)
         step.positions.copy_(positions, non_blocking=True)
-        step.table.packed.copy_(RowTable.pack(past, past, plan.rows if plan else causal_rows(w), width=w), non_blocking=True)
+        step.table.packed.copy_(RowTable.pack(past, w, plan, width=w), non_blocking=True)
         if step.replay is None:
             try:
                 step.replay = self.capture(lambda: lean_forward(self.model, step.ids, kv.cache, position_ids=step.positions,
@@ -129,7 +129,7 @@ class GraphRunner:
         device = self.buffers[0].device
         with torch.inference_mode(False):  # as the cache's buffers: writable inside and outside inference mode
             ids = torch.zeros(1, w, dtype=torch.long, device=device)
-            table = torch.zeros(RowTable.pack(0, 0, causal_rows(w)).shape, dtype=torch.long, device=device)
+            table = torch.zeros(RowTable.pack(0, w, None).shape, dtype=torch.long, device=device)
             return _Pass(ids, ids.clone(), RowTable(table, w))
 
 

@@ -17,7 +17,7 @@ pytest.importorskip("triton")
 if os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("runs the Triton rows on CPU tensors, under the interpreter", allow_module_level=True)
 
-from localspec.attention import RowPlan, RowTable, causal_rows, use_exact_attention  # noqa: E402
+from localspec.attention import RowPlan, RowTable, use_exact_attention  # noqa: E402
 from localspec.config import GenerationLimits, SpecConfig  # noqa: E402
 from localspec.decoder import lean_forward, use_exact_pass  # noqa: E402
 from localspec.engine import Engine  # noqa: E402
@@ -57,8 +57,7 @@ def tree(past: int):
 def eager_table_pass(model, kv: KVCache, ids, positions, plan) -> torch.Tensor:
     """The eager pass with the same kernels as a replay: lean_forward over a table built for it."""
     past = len(kv)
-    rows = causal_rows(ids.shape[1]) if plan is None else plan.rows
-    logits = lean_forward(model, ids, kv.cache, position_ids=positions, table=RowTable.build(past, past, rows, CPU))
+    logits = lean_forward(model, ids, kv.cache, position_ids=positions, table=RowTable.build(past, ids.shape[1], plan, CPU))
     extend_to(kv.cache, past + ids.shape[1])
     return logits[0]  # (T, V)
 
