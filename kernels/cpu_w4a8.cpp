@@ -17,6 +17,7 @@
 #include <immintrin.h>
 #include <omp.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -297,6 +298,125 @@ bool amx_usable() {
   return syscall(SYS_arch_prctl, 0x1023, 18) == 0;
 }
 
+// ---- prompts: bf16 on the tile unit ------------------------------------------------------------
+//
+// A prompt's pass has hundreds of rows, so each weight is used hundreds of times: a tile's blocks
+// are de-quantized once to bf16 (code * scale + min in float, rounded to nearest even) in the
+// layout TDPBF16PS reads, and every 16 rows of the prompt, rounded to bf16, multiply them with the
+// sums kept in float32 inside the tile unit across all groups: no per-group epilogue, no int8
+// rounding of the activations. These are different numbers from the decode path's, which is why
+// only a prompt pass takes them (cpu_w4a8.prompt_pass); a row's result still depends only on that
+// row.
+
+const TileConfig PROMPT_TILES = [] {
+  TileConfig config = {};
+  config.palette = 1;
+  for (int t = 0; t < 8; ++t) config.rows[t] = 16, config.colsb[t] = 64;  // see prompt_tiles
+  return config;
+}();
+
+__attribute__((target("amx-tile")))
+void configure_prompt_tiles() { _tile_loadconfig(&PROMPT_TILES); }
+
+// x (m, k) float32 -> a: bf16 in the order the tile loads read it, for each set of 16 rows and
+// each group the set's 16 x 32 values (1 KB, contiguous, so a load streams it); padding rows zero
+__attribute__((target("avx512f,avx512bf16")))
+void rows_to_bf16(const float* x, int64_t m, int64_t k, uint16_t* a) {
+  const int64_t groups = k / GROUP;
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < (m + 15) / 16 * 16; ++r) {
+    uint16_t* row = a + (r / 16) * groups * 512 + (r % 16) * 32;
+    for (int64_t g = 0; g < groups; ++g) {
+      __m512i v = _mm512_setzero_si512();
+      if (r < m) v = (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + r * k + g * GROUP + 16), _mm512_loadu_ps(x + r * k + g * GROUP));
+      _mm512_storeu_si512((void*)(row + g * 512), v);
+    }
+  }
+}
+
+// One tile's blocks -> per group 16 rows of 64 bytes: row j holds, for each of the 16 outputs n,
+// the bf16 weights of inputs 2j and 2j + 1 (TDPBF16PS's pairs). In the codes, the 32-bit lane n of
+// vector p holds inputs 4p..4p+3 (low nibbles) and 16 + 4p.. (high nibbles): its low 16 bits are
+// the pair of row 2p, its high 16 bits the pair of row 2p + 1 (8 + 2p, 9 + 2p for the high nibbles).
+__attribute__((target("avx512f,avx512bw,avx512bf16,f16c")))
+void dequantize_tile(const uint8_t* blocks, int64_t groups, uint16_t* w) {
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  const __m512i first_outputs = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+  const __m512i last_outputs = _mm512_add_epi32(first_outputs, _mm512_set1_epi32(8));
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* b = blocks + g * BLOCK_BYTES;
+    const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(b + CODE_BYTES)));
+    const __m512 mins = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(b + CODE_BYTES + 32)));
+    const __m512 scale_first = _mm512_permutexvar_ps(first_outputs, scale), scale_last = _mm512_permutexvar_ps(last_outputs, scale);
+    const __m512 min_first = _mm512_permutexvar_ps(first_outputs, mins), min_last = _mm512_permutexvar_ps(last_outputs, mins);
+    uint16_t* out = w + g * 16 * 32;
+    for (int p = 0; p < 4; ++p) {
+      const __m512i v = _mm512_loadu_si512((const void*)(b + 64 * p));
+      const __m512i nibbles[2] = {_mm512_and_si512(v, low), _mm512_and_si512(_mm512_srli_epi16(v, 4), low)};
+      for (int h = 0; h < 2; ++h)
+        for (int half = 0; half < 2; ++half) {
+          const __m256i pairs = _mm512_cvtepi32_epi16(half ? _mm512_srli_epi32(nibbles[h], 16) : nibbles[h]);  // 16 x (2 codes)
+          __m512 first = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(pairs)));  // outputs 0..7
+          __m512 last = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(pairs, 1)));  // 8..15
+          first = _mm512_fmadd_ps(first, scale_first, min_first);
+          last = _mm512_fmadd_ps(last, scale_last, min_last);
+          const int row = 8 * h + 2 * p + half;
+          _mm512_storeu_si512((void*)(out + row * 32), (__m512i)_mm512_cvtne2ps_pbh(last, first));
+        }
+    }
+  }
+}
+
+// Two sets of 16 rows times two tiles of 16 outputs: four sums tiles (0-3) kept in the tile unit
+// across all groups, two row tiles (4, 5) and two weight tiles (6, 7). Each loaded tile serves two
+// products: the loads, not the products, are what a prompt's pass waits for.
+__attribute__((target("amx-tile,amx-bf16,avx512f")))
+void prompt_tiles(const uint16_t* a, int64_t m, int64_t groups, const uint16_t* w0, const uint16_t* w1,
+                  const float* bias, float* out, int64_t n, int64_t n0) {
+  alignas(64) float sums[4][256];
+  const int64_t padded = (m + 15) / 16 * 16;
+  for (int64_t r0 = 0; r0 < padded; r0 += 32) {
+    const bool two_sets = r0 + 16 < padded, two_tiles = w1 != nullptr;
+    const uint16_t* rows0 = a + (r0 / 16) * groups * 512;
+    const uint16_t* rows1 = rows0 + groups * 512;
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t g = 0; g < groups; ++g) {
+      _tile_loadd(6, w0 + g * 512, 64);
+      _tile_loadd(4, rows0 + g * 512, 64);
+      _tile_dpbf16ps(0, 4, 6);
+      if (two_tiles) {
+        _tile_loadd(7, w1 + g * 512, 64);
+        _tile_dpbf16ps(1, 4, 7);
+      }
+      if (two_sets) {
+        _tile_loadd(5, rows1 + g * 512, 64);
+        _tile_dpbf16ps(2, 5, 6);
+        if (two_tiles) _tile_dpbf16ps(3, 5, 7);
+      }
+    }
+    _tile_stored(0, sums[0], 64);
+    if (two_tiles) _tile_stored(1, sums[1], 64);
+    if (two_sets) _tile_stored(2, sums[2], 64);
+    if (two_sets && two_tiles) _tile_stored(3, sums[3], 64);
+    for (int tile = 0; tile < (two_tiles ? 2 : 1); ++tile) {
+      const int64_t start = n0 + TILE * tile, width = n - start < TILE ? n - start : TILE;
+      const __mmask16 keep = (__mmask16)((1u << width) - 1u);
+      const __m512 add = bias ? _mm512_maskz_loadu_ps(keep, bias + start) : _mm512_setzero_ps();
+      for (int64_t r = 0; r < (two_sets ? 32 : 16) && r0 + r < m; ++r)
+        _mm512_mask_storeu_ps(out + (r0 + r) * n + start, keep, _mm512_add_ps(_mm512_load_ps(sums[2 * (r / 16) + tile] + (r % 16) * 16), add));
+    }
+  }
+}
+
+bool amx_bf16_usable() {
+  unsigned a, b, c, d;
+  return __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d & (1u << 22)) && __builtin_cpu_supports("avx512bf16") &&
+         amx_usable();
+}
+
 typedef void (*TileFn)(const uint8_t*, int64_t, const int8_t*, int64_t, const float*, const float*, const float*,
                        float*, int64_t, int64_t);
 
@@ -356,6 +476,34 @@ void w4a8_linear(const float* x, int64_t m, int64_t k, const uint8_t* blocks, in
       }
     }
     if (amx_rows) release_tiles();
+  }
+}
+
+// Whether this CPU runs w4a8_prompt (AMX-BF16).
+int w4a8_prompt_usable(void) { return amx_bf16_usable(); }
+
+// A prompt's pass: x (m, k) float32 -> out (m, n) float32 through bf16 tiles. scratch: at least
+// w4a8_prompt_scratch(m, k) bytes.
+int64_t w4a8_prompt_scratch(int64_t m, int64_t k) { return (m + 15) / 16 * 16 * k * 2; }
+
+void w4a8_prompt(const float* x, int64_t m, int64_t k, const uint8_t* blocks, int64_t n, const float* bias, float* out,
+                 void* scratch) {
+  const int64_t groups = k / GROUP, tiles = (n + TILE - 1) / TILE;
+  uint16_t* a = (uint16_t*)scratch;
+  rows_to_bf16(x, m, k, a);
+#pragma omp parallel
+  {
+    configure_prompt_tiles();
+    uint16_t* w = (uint16_t*)aligned_alloc(64, 2 * groups * 512 * sizeof(uint16_t));
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t t = 0; t < tiles; t += 2) {
+      uint16_t* w1 = t + 1 < tiles ? w + groups * 512 : nullptr;
+      dequantize_tile(blocks + t * groups * BLOCK_BYTES, groups, w);
+      if (w1) dequantize_tile(blocks + (t + 1) * groups * BLOCK_BYTES, groups, w1);
+      prompt_tiles(a, m, groups, w, w1, bias, out, n, t * TILE);
+    }
+    free(w);
+    release_tiles();
   }
 }
 

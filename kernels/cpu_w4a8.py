@@ -33,6 +33,7 @@ why and the caller keeps another format.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import threading
@@ -67,6 +68,13 @@ class Kernel:
         self._linear.restype = None
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
         self._linear.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr, ptr, ctypes.c_int]
+        self.prompt_usable = bool(library.w4a8_prompt_usable())
+        self._prompt = library.w4a8_prompt
+        self._prompt.restype = None
+        self._prompt.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr, ptr]
+        self._prompt_scratch = library.w4a8_prompt_scratch
+        self._prompt_scratch.restype = i64
+        self._prompt_scratch.argtypes = [i64, i64]
         self._local = threading.local()
 
     def _scratch(self, size: int) -> torch.Tensor:
@@ -85,10 +93,36 @@ class Kernel:
         """x (M, K) float32 contiguous, blocks from `pack`, bias (N,) float32 or None -> (M, N) float32."""
         m, k = x.shape
         out = torch.empty(m, n, dtype=torch.float32)  # (M, N)
+        if self.prompt_usable and m >= PROMPT_ROWS and getattr(_prompt, "on", False) and isa is None:
+            scratch = self._scratch(self._prompt_scratch(m, k))
+            self._prompt(x.data_ptr(), m, k, blocks.data_ptr(), n, 0 if bias is None else bias.data_ptr(),
+                         out.data_ptr(), scratch.data_ptr())
+            return out
         scratch = self._scratch(scratch_bytes(m, k))
         self._linear(x.data_ptr(), m, k, blocks.data_ptr(), n, 0 if bias is None else bias.data_ptr(),
                      out.data_ptr(), scratch.data_ptr(), self.isa if isa is None else isa)
         return out
+
+
+PROMPT_ROWS = 64
+"""Fewest rows for which a prompt's pass takes the bf16 tiles: each weight tile is de-quantized once
+per call, which fewer rows do not repay."""
+
+_prompt = threading.local()
+
+
+@contextlib.contextmanager
+def prompt_pass():
+    """Inside, w4a8 layers compute a pass of at least PROMPT_ROWS rows in bf16 on the tile unit
+    (CPUs with AMX-BF16): the pass that fills the cache with a prompt, where every weight serves
+    hundreds of rows. Decode and verify passes run outside it, so their rows keep the decode
+    path's numbers whatever their width; plain and speculative decoding fill the cache the same way."""
+    before = getattr(_prompt, "on", False)
+    _prompt.on = True
+    try:
+        yield
+    finally:
+        _prompt.on = before
 
 
 def scratch_bytes(m: int, k: int) -> int:
@@ -132,6 +166,20 @@ def w4a8_linear_reference(x: torch.Tensor, packed: torch.Tensor, scales: torch.T
     if bias is not None:
         y = y + bias.double()
     return y.float().reshape(*x.shape[:-1], -1)
+
+
+def w4a8_prompt_reference(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
+                          bias: torch.Tensor | None) -> torch.Tensor:
+    """The plain torch meaning of the prompt path: weights de-quantized in float32 and rounded to
+    bf16, rows rounded to bf16, their products summed in float64 (the kernel sums in float32)."""
+    rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16).double()  # (M, K)
+    n, k = packed.shape[0], packed.shape[1] * 2
+    codes = unpack_int4(packed).float().reshape(n, k // GROUP, GROUP)  # (N, G, 32)
+    weight = codes * scales.to(torch.float16).float()[..., None] + mins.to(torch.float16).float()[..., None]
+    y = rows @ weight.reshape(n, k).to(torch.bfloat16).double().t()  # (M, N)
+    if bias is not None:
+        y = y + bias.double()
+    return y.float().reshape(*x.shape[:-1], n)
 
 
 class W4A8Linear(torch.nn.Module):

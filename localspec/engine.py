@@ -23,6 +23,7 @@ from localspec.kv import CachedTokens, KVCache
 from localspec.policy import DraftPolicy, Proposal
 from localspec.proposers.base import Proposer
 from localspec.proposers.ngram import NgramProposer
+from localspec.quant import prompt_pass
 from localspec.sampling import make_generator
 from localspec.stats import GenerationStats
 from localspec.tree import Draft, graft, verify_inputs, visible_rows
@@ -217,7 +218,8 @@ class Engine:
             chunk = target[start : start + PREFILL_CHUNK]
             ids = torch.tensor([chunk], dtype=torch.long)
             positions = torch.arange(start, start + len(chunk))[None]
-            self._forward(ids, positions, None, keep=1)
+            with prompt_pass():
+                self._forward(ids, positions, None, keep=1)
             self.kv_tokens.extend(chunk)
             self._observe(start, None)
 

@@ -7,9 +7,11 @@
   oneDNN's VNNI int8 matmul on x86 CPUs: a 16-token verify pass then costs about 2x a one-token
   pass instead of 5x, and the rest of the model runs in float32 (`localspec_kernels.cpu_w8a8`).
 - w4a8: the int4 weights (same cache) with each activation row quantized to int8, run by
-  localspec's own x86 kernel (`localspec_kernels.cpu_w4a8`, AVX-512 VNNI or AVX2): 5 bits per
-  weight read once per pass, so a pass of a few tokens costs about what one token does (16 tokens
-  about 2.2x, bound by the dot products).
+  localspec's own x86 kernel (`localspec_kernels.cpu_w4a8`, AVX-512 VNNI or AVX2, AMX for sets of
+  16 rows, same numbers): 5 bits per weight read once per pass, so a pass of a few tokens costs
+  about what one token does (16 tokens about 1.8x with AMX, 2.1x without, bound by the dot
+  products). On CPUs with AMX-BF16 a prompt's pass (`prompt_pass`, 64 rows or more) runs in bf16
+  on the tile unit instead: different numbers, used by plain and speculative decoding alike.
 - nf4: bitsandbytes' NF4 (CUDA; it also runs on a CPU, slowly, which is how the tests load it).
 Otherwise activations stay 16-bit (bf16): the weight-only CPU kernels are only fast with them.
 
@@ -160,6 +162,10 @@ def quantize_activations(model: torch.nn.Module) -> None:
         if isinstance(module, Int8Linear):
             _replace(model, name, W8A8Linear(module))
     start_packing(model)
+
+
+prompt_pass = cpu_w4a8.prompt_pass
+"""Around the passes that fill the cache with a prompt: w4a8 layers may take their prompt path there."""
 
 
 SAME_INPUT = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))

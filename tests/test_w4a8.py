@@ -81,6 +81,45 @@ def test_the_tile_unit_computes_what_the_vector_units_compute_bit_for_bit():
     assert torch.equal(KERNEL.linear(x, blocks, 300, bias, 3), KERNEL.linear(x, blocks, 300, bias, 2))
 
 
+needs_prompt_path = pytest.mark.skipif(KERNEL is None or not KERNEL.prompt_usable, reason="this CPU has no AMX-BF16")
+
+
+@needs_prompt_path
+@pytest.mark.parametrize("n, k", [(1, 32), (37, 64), (257, 96), (300, 1536), (40, 8960)])
+def test_prompt_path_matches_its_reference_and_a_row_alone_equals_the_row_among_many(monkeypatch, n, k):
+    monkeypatch.setattr(cpu_w4a8, "PROMPT_ROWS", 1)
+    packed, scales, mins, bias = random_layer(n, k, seed=n * k)
+    blocks = cpu_w4a8.pack(packed, scales, mins)
+    x = torch.randn(70, k, generator=torch.Generator().manual_seed(n)) * 3
+    x[3] = 0.0
+    with cpu_w4a8.prompt_pass():
+        together = KERNEL.linear(x, blocks, n, bias)  # (70, N): sets of 32 and 16 rows, and a padded one
+        for m in (1, 5, 16, 17, 33, 64):
+            assert torch.equal(KERNEL.linear(x[:m].contiguous(), blocks, n, bias), together[:m]), m
+    reference = cpu_w4a8.w4a8_prompt_reference(x, packed, scales, mins, bias)
+    # bf16 products are exact in float32; only the order of the float32 sum over K differs
+    bound = 1e-5 * reference.abs().amax(dim=1, keepdim=True) + 1e-6
+    assert ((together - reference).abs() <= bound).all()
+    assert torch.equal(together[3], bias)
+
+
+@needs_prompt_path
+def test_only_a_prompt_pass_of_enough_rows_takes_the_prompt_path():
+    """Decode and verify passes keep the decode path's numbers whatever their width: that is what
+    makes speculation reproduce plain decoding. Only a prompt's pass may take the bf16 tiles."""
+    packed, scales, mins, bias = random_layer(48, 256, seed=5)
+    blocks = cpu_w4a8.pack(packed, scales, mins)
+    x = torch.randn(cpu_w4a8.PROMPT_ROWS, 256)
+    decode = KERNEL.linear(x, blocks, 48, bias)
+    short = x[:-1].contiguous()
+    with cpu_w4a8.prompt_pass():
+        prompt = KERNEL.linear(x, blocks, 48, bias)
+        assert torch.equal(KERNEL.linear(short, blocks, 48, bias), decode[:-1]), "fewer rows: the decode path"
+    assert not torch.equal(prompt, decode)
+    assert torch.allclose(prompt, cpu_w4a8.w4a8_prompt_reference(x, packed, scales, mins, bias), rtol=1e-4, atol=1e-5)
+    assert torch.equal(KERNEL.linear(x, blocks, 48, bias), decode), "outside prompt_pass: the decode path"
+
+
 @needs_kernel
 def test_linear_module_keeps_leading_dims_and_adds_bias():
     packed, scales, mins, bias = random_layer(48, 64, seed=1)
@@ -179,6 +218,34 @@ def test_w4a8_runs_the_int4_cache_from_stored_blocks_and_speculation_reproduces_
     with torch.no_grad():
         assert torch.equal(repacked.model(torch.tensor([ids])).logits, logits)
     assert blocks_file.stat().st_size > 1000
+
+
+@pytest.mark.real_model
+@needs_prompt_path
+def test_a_long_prompt_fills_the_cache_through_the_prompt_path_and_speculation_still_reproduces_plain_decoding(monkeypatch):
+    from conftest import CODE_PROMPT
+    from localspec.config import GenerationLimits, SpecConfig
+    from localspec.engine import Engine
+    from localspec.proposers import DraftModelProposer, NgramProposer
+    import localspec.loading as loading
+    from localspec.registry import load_registry
+
+    loaded = loading.load_model(load_registry().get("smollm2-135m"), torch.bfloat16, quant="w4a8", progress=False)
+    kernel = next(m.kernel for m in loaded.model.modules() if isinstance(m, cpu_w4a8.W4A8Linear))
+    prompt_calls = []
+    real = kernel._prompt
+    monkeypatch.setattr(kernel, "_prompt", lambda *a: prompt_calls.append(a[1]) or real(*a))
+    ids = loaded.tokenizer(CODE_PROMPT * 8, return_tensors="pt").input_ids[0].tolist()
+    assert len(ids) > cpu_w4a8.PROMPT_ROWS
+
+    def run(proposer):
+        engine = Engine(loaded.model, None, proposer, SpecConfig(draft_len=6))
+        return [p.token_id for ev in engine.generate(ids, limits=GenerationLimits(24)) for p in ev.pieces]
+
+    plain = run(None)
+    assert prompt_calls and min(prompt_calls) == len(ids) - 1, "the prompt's pass took the prompt path"
+    for proposer in (NgramProposer(), DraftModelProposer(loaded.model)):
+        assert run(proposer) == plain, proposer
 
 
 @needs_kernel

@@ -10,6 +10,7 @@ from localspec.config import SamplingConfig
 from localspec.decoder import use_exact_pass
 from localspec.kv import CachedTokens, KVCache
 from localspec.proposers.base import Proposer
+from localspec.quant import prompt_pass
 from localspec.sampling import probs_from_logits, read_token, sample
 from localspec.tree import Draft
 
@@ -30,7 +31,8 @@ class DraftModelProposer(Proposer):
         start = self.kv_tokens.entries
         x = torch.tensor([ids], dtype=torch.long, device=self.device)  # (1, n)
         pos = torch.arange(start, start + len(ids), device=self.device)[None]  # (1, n)
-        out = self.model(input_ids=x, position_ids=pos, cache=self.kv.cache, use_cache=True, logits_to_keep=1)
+        with prompt_pass():  # a resync of a whole prompt is a prompt's pass; a draft's numbers need not match any other
+            out = self.model(input_ids=x, position_ids=pos, cache=self.kv.cache, use_cache=True, logits_to_keep=1)
         self.kv_tokens.extend(ids)
         return out.logits[0, -1]
 
