@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from localspec import graphs
 from localspec.kv import KVCache
 from localspec_kernels.cpu_w8a8 import wait_for_packing
 
@@ -58,7 +59,8 @@ class CostModel:
 @torch.inference_mode()
 def time_forward(model: torch.nn.Module, widths: tuple[int, ...], repeats: int = 4, context: int = CALIBRATION_PREFIX) -> dict[int, float]:
     """Best-of-`repeats` seconds of one forward over `width` new tokens after `context` cached ones,
-    with the model as it is (attention, weights): the pass generation runs.
+    with the model as it is (attention, weights, CUDA graphs where the engine replays them): the
+    pass generation runs.
 
     Widths are measured in interleaved rounds, so a burst of other work on the machine spoils one
     sample of each width rather than every sample of one.
@@ -68,7 +70,8 @@ def time_forward(model: torch.nn.Module, widths: tuple[int, ...], repeats: int =
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(0)
     prefix = torch.randint(0, vocab, (1, context), generator=gen).to(device)
-    kv = KVCache()
+    runner = graphs.calibration_runner(model)  # on CUDA the engine's passes replay from graphs: time those
+    kv = KVCache(context + max(widths) if runner else 0)
     model(input_ids=prefix, cache=kv.cache, use_cache=True, logits_to_keep=1)
     best = {width: float("inf") for width in widths}
     for round_ in range(repeats + 1):  # round 0 is a warm-up
@@ -77,7 +80,8 @@ def time_forward(model: torch.nn.Module, widths: tuple[int, ...], repeats: int =
             pos = torch.arange(context, context + width, device=device)[None]
             _sync(device)
             start = time.perf_counter()
-            model(input_ids=ids, position_ids=pos, cache=kv.cache, use_cache=True)
+            if runner is None or runner.run(kv, ids, pos, None, keep=width) is None:
+                model(input_ids=ids, position_ids=pos, cache=kv.cache, use_cache=True)
             _sync(device)
             if round_:
                 best[width] = min(best[width], time.perf_counter() - start)

@@ -141,6 +141,16 @@ def _buffers(kv: KVCache) -> list[torch.Tensor]:
     return [buffer for layer in layers for buffer in (layer.key_slots.buffer, layer.value_slots.buffer)]
 
 
+def replays(model: torch.nn.Module) -> bool:
+    """Whether the engine's passes of this model replay from graphs: what its calibration times."""
+    return next(model.parameters()).device.type == "cuda" and unavailable_reason(model) is None
+
+
+def calibration_runner(model: torch.nn.Module) -> GraphRunner | None:
+    """A runner for timing the passes as generation runs them (None where they run eagerly)."""
+    return GraphRunner(model) if replays(model) else None
+
+
 def unavailable_reason(model: torch.nn.Module) -> str | None:
     """Why this model's passes cannot be replayed from graphs (None: they can)."""
     if not getattr(model, "_lean_forward", False):

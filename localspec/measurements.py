@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from localspec import costs
+from localspec import costs, graphs
 from localspec.config import home_dir
 from localspec.files import locked, write_text_atomic
 from localspec.loading import pick_device
@@ -96,6 +96,8 @@ def pass_cost_key(name: str, model: torch.nn.Module) -> str:
     attention = getattr(model.config, "_attn_implementation", None) or "default"
     if getattr(model, "_lean_forward", False):  # localspec.decoder's pass, not transformers' forward
         attention += "+lean"
+    if graphs.replays(model):
+        attention += "+graphs"
     device = param.device.type
     if device == "cuda":
         device += f"={torch.cuda.get_device_name(param.device)}"

@@ -195,3 +195,24 @@ def test_the_engine_says_once_why_graphs_are_off():
     engine.graphs.off = "CUDA graphs off: test"
     list(engine.generate(PROMPT_IDS, limits=GenerationLimits(4)))
     assert engine.graphs is None and engine.stats.notices == ["CUDA graphs off: test"]
+
+
+def test_calibration_times_the_passes_through_the_runner_where_generation_replays_them(monkeypatch):
+    """On CUDA the engine's passes replay from graphs, so the cost model must time replays: the
+    calibration goes through a runner whenever `graphs.replays` says generation does."""
+    from localspec import costs, graphs
+
+    model = target()
+    runs = []
+
+    class Counting(GraphRunner):
+        def run(self, kv, ids, positions, plan, keep):
+            runs.append(ids.shape[1])
+            assert kv.cache.layers[0].key_slots.buffer.shape[-2] >= len(kv) + ids.shape[1], "a cache that keeps its buffers"
+            return super().run(kv, ids, positions, plan, keep)
+
+    monkeypatch.setattr(graphs, "calibration_runner", lambda m: Counting(m, capture=no_capture))
+    seconds = costs.time_forward(model, (1, 4), repeats=2, context=24)
+    assert set(seconds) == {1, 4} and all(s > 0 for s in seconds.values())
+    assert sorted(set(runs)) == [1, 4] and len(runs) == 6, "every timed pass (and the warm-up) went through it"
+    assert not graphs.replays(model), "on the CPU generation runs eagerly, and so does its calibration"
