@@ -104,9 +104,12 @@ class Kernel:
         return out
 
 
-PROMPT_ROWS = 64
-"""Fewest rows for which a prompt's pass takes the bf16 tiles: each weight tile is de-quantized once
-per call, which fewer rows do not repay."""
+PROMPT_ROWS = 16
+"""Fewest rows for which a prompt's pass takes the bf16 tiles. Each weight tile is de-quantized once
+per call: over the 1.5B's linears that repays itself from about 32 rows and costs about 40 ms more
+at 16. It is taken from 16 for fidelity: next-token log-probabilities over a 500-token prompt were
+within a mean KL of 0.0004 of the float32-activation int4 model on this path, against 0.033 with
+int8 rows, whose per-row scale flattens the first position's huge activations (KL 9.9 there)."""
 
 _prompt = threading.local()
 

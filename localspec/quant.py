@@ -10,8 +10,8 @@
   localspec's own x86 kernel (`localspec_kernels.cpu_w4a8`, AVX-512 VNNI or AVX2, AMX for sets of
   16 rows, same numbers): 5 bits per weight read once per pass, so a pass of a few tokens costs
   about what one token does (16 tokens about 1.8x with AMX, 2.1x without, bound by the dot
-  products). On CPUs with AMX-BF16 a prompt's pass (`prompt_pass`, 64 rows or more) runs in bf16
-  on the tile unit instead: different numbers, used by plain and speculative decoding alike.
+  products). On CPUs with AMX-BF16 a prompt's pass (`prompt_pass`, 16 rows or more) runs in bf16
+  on the tile unit instead: closer to the float model, and used by plain and speculative decoding alike.
 - nf4: bitsandbytes' NF4 (CUDA; it also runs on a CPU, slowly, which is how the tests load it).
 Otherwise activations stay 16-bit (bf16): the weight-only CPU kernels are only fast with them.
 

@@ -52,13 +52,20 @@ def arch(request):
 
 
 def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
-    """transformers' own greedy decoding, one token per step, with the attention the engine
-    gives its target (row-exact; see localspec/attention.py)."""
+    """transformers' own greedy decoding, one token per step, on the model as the engine runs it:
+    the row-exact attention (see localspec/attention.py), and the cache filled with every prompt
+    token but the last in one prompt pass (quant.prompt_pass), as the engine's prefill does."""
     from localspec.attention import use_exact_attention
+    from localspec.kv import KVCache
+    from localspec.quant import prompt_pass
 
     use_exact_attention(model)
+    kv = KVCache()
+    with torch.no_grad(), prompt_pass():
+        model(input_ids=torch.tensor([prompt[:-1]]), cache=kv.cache, use_cache=True, logits_to_keep=1)
     ids = torch.tensor([prompt])
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n, min_new_tokens=n)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=kv.cache, do_sample=False,
+                         max_new_tokens=n, min_new_tokens=n)
     return out[0, len(prompt):].tolist()
 
 
