@@ -72,6 +72,9 @@ class Kernel:
         self._prompt = library.w4a8_prompt
         self._prompt.restype = None
         self._prompt.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr, ptr]
+        self._silu_mul = library.w4a8_silu_mul
+        self._silu_mul.restype = None
+        self._silu_mul.argtypes = [ptr, ptr, i64, i64, i64, i64, ptr]
         self._prompt_scratch = library.w4a8_prompt_scratch
         self._prompt_scratch.restype = i64
         self._prompt_scratch.argtypes = [i64, i64]
@@ -126,6 +129,22 @@ def prompt_pass():
         yield
     finally:
         _prompt.on = before
+
+
+def silu_mul(kernel: Kernel, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for float32 (..., I) tensors whose last dimension is contiguous (the two
+    halves of a fused gate/up call, read where they lie). Compiled with AVX-512, torch's ops on
+    AVX2-only CPUs: one function per machine, so a row's result does not depend on the pass."""
+    if kernel.isa < 2:
+        return torch.nn.functional.silu(gate) * up
+    g, u = gate.reshape(-1, gate.shape[-1]), up.reshape(-1, up.shape[-1])  # (M, I) views
+    out = torch.empty(g.shape, dtype=torch.float32)  # (M, I)
+    kernel._silu_mul(g.data_ptr(), u.data_ptr(), g.shape[0], g.shape[1], g.stride(0), u.stride(0), out.data_ptr())
+    return out.reshape(gate.shape)
+
+
+def silu_mul_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.silu(gate) * up
 
 
 def scratch_bytes(m: int, k: int) -> int:
@@ -238,6 +257,19 @@ class SharedInput:
         if self._served == self.members:  # everyone has theirs: hold no tensors between passes
             self._input = self._output = None
         return out
+
+
+class GatedMLP(torch.nn.Module):
+    """down(silu(gate(x)) * up(x)) on w4a8 linears, the same submodules as the model's MLP: SiLU and
+    the product run in one pass over the fused gate/up output (torch's two ops on its strided
+    halves measured about 16 ms per layer at 512 rows, this about 2)."""
+
+    def __init__(self, gate_proj: W4A8Linear, up_proj: W4A8Linear, down_proj: W4A8Linear) -> None:
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj = gate_proj, up_proj, down_proj
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., hidden) -> (..., hidden) float32
+        return self.down_proj(silu_mul(self.gate_proj.kernel, self.gate_proj(x), self.up_proj(x)))
 
 
 def fuse(sources: list[torch.nn.Module], kernel: Kernel, blocks: torch.Tensor | None = None) -> list[W4A8Linear]:

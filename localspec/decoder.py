@@ -46,7 +46,8 @@ LEAN_KWARGS = {"input_ids", "position_ids", "attention_mask", "cache", "past_key
 
 def unsupported_reason(model: torch.nn.Module) -> str | None:
     """Why `lean_forward` cannot run this model (None: it can). A structural check: the layers
-    must be the plain pre-norm Llama block (q/k/v/o projections, gated MLP, RoPE, full attention)."""
+    must be the plain pre-norm Llama block (q/k/v/o projections, RoPE, full attention; the MLP is
+    called as the module it is)."""
     base = getattr(model, "model", None)
     if base is None or not hasattr(model, "lm_head") or not hasattr(base, "layers") or not hasattr(base, "rotary_emb"):
         return f"{type(model).__name__} is not a decoder with model.layers, rotary_emb and lm_head"
@@ -66,8 +67,6 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
             return f"{type(attention).__name__}'s module has no apply_rotary_pos_emb"
         if hasattr(attention, "q_norm") or hasattr(attention, "k_norm"):
             return f"{type(attention).__name__} normalises queries and keys"
-        if not all(hasattr(mlp, name) for name in ("gate_proj", "up_proj", "down_proj", "act_fn")):
-            return f"{type(mlp).__name__} is not a gated MLP"
     return None
 
 
@@ -135,9 +134,7 @@ def lean_forward(model: torch.nn.Module, input_ids: torch.Tensor, cache=None, pa
     for index, layer in enumerate(base.layers):
         hidden = hidden + _attention(layer.self_attn, layer.input_layernorm(hidden), cos, sin, cache, index, row_plan,
                                      table, past + t)
-        normed = layer.post_attention_layernorm(hidden)  # (1, T, Hd)
-        mlp = layer.mlp
-        hidden = hidden + mlp.down_proj(mlp.act_fn(mlp.gate_proj(normed)) * mlp.up_proj(normed))
+        hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))  # (1, T, Hd)
     if built:
         extend_to(cache, past + t)
     hidden = base.norm(hidden)  # (1, T, Hd)

@@ -190,6 +190,11 @@ def use_w4a8(model: torch.nn.Module, blocks_file: Path | None) -> None:
             _replace(model, name, layer)
     if stored is None and blocks_file is not None:
         _save_layout(packed, blocks_file)
+    if getattr(model.config, "hidden_act", None) == "silu":
+        for name, mlp in list(model.named_modules()):
+            parts = [getattr(mlp, part, None) for part in ("gate_proj", "up_proj", "down_proj")]
+            if all(isinstance(part, cpu_w4a8.W4A8Linear) for part in parts):
+                _replace(model, name, cpu_w4a8.GatedMLP(*parts))
     embedding = model.get_input_embeddings()
     for module in model.modules():
         if module is embedding:

@@ -81,6 +81,18 @@ def test_the_tile_unit_computes_what_the_vector_units_compute_bit_for_bit():
     assert torch.equal(KERNEL.linear(x, blocks, 300, bias, 3), KERNEL.linear(x, blocks, 300, bias, 2))
 
 
+@needs_kernel
+def test_silu_mul_matches_torch_on_the_strided_halves_of_a_fused_output_row_by_row():
+    fused = torch.randn(9, 2 * 37, generator=torch.Generator().manual_seed(2)) * 6  # (M, 2I): gate | up
+    fused[0, :5] = torch.tensor([-90.0, 90.0, 0.0, -0.0, 1e-3])
+    gate, up = fused[:, :37], fused[:, 37:]
+    got = cpu_w4a8.silu_mul(KERNEL, gate, up)  # (M, I)
+    reference = cpu_w4a8.silu_mul_reference(gate.double(), up.double()).float()
+    assert torch.allclose(got, reference, rtol=1e-6, atol=1e-37)  # float32 rounding, as torch's own float silu
+    for r in range(9):
+        assert torch.equal(cpu_w4a8.silu_mul(KERNEL, gate[r : r + 1], up[r : r + 1]), got[r : r + 1]), r
+
+
 needs_prompt_path = pytest.mark.skipif(KERNEL is None or not KERNEL.prompt_usable, reason="this CPU has no AMX-BF16")
 
 
@@ -202,6 +214,7 @@ def test_w4a8_runs_the_int4_cache_from_stored_blocks_and_speculation_reproduces_
     assert blocks_file.is_file(), "the kernel's blocks are stored beside the int4 weights"
     layers = [m for m in loaded.model.modules() if isinstance(m, cpu_w4a8.W4A8Linear)]
     assert len(layers) == 30 * 7 + 1  # every projection and the output layer
+    assert sum(isinstance(m, cpu_w4a8.GatedMLP) for m in loaded.model.modules()) == 30
     assert all(p.dtype == torch.float32 for n, p in loaded.model.named_parameters() if "embed_tokens" not in n)
     ids = assert_speculation_reproduces_greedy(loaded)
     # a warm load maps the stored blocks; a damaged file is packed again, to the same model
