@@ -422,7 +422,8 @@ def place(model: torch.nn.Module, quant: str, device: torch.device) -> None:
     if quantization.uses_bitsandbytes(quant, device):
         quantization.quantize_model(model, quant, device)
     model.to(device)
-    release_memory()  # bitsandbytes' scratch: what the load freed shows as free memory
+    if device.type != "cpu":  # bitsandbytes' scratch, the allocators' caches: what the load freed shows as free memory
+        release_memory()
 
 
 def release_memory() -> None:
