@@ -96,6 +96,17 @@ void quantize_row_avx2(const float* x, int64_t k, int8_t* q, float* scale, float
 
 // ---- one tile of 16 outputs for R rows --------------------------------------------------------
 
+// out[r][n0 ..] = total[r] * row_scales[r] + bias for the tile's outputs that exist
+__attribute__((target("avx512f"), always_inline))
+inline void store_tile(const __m512* total, int rows, const float* row_scales, const float* bias, float* out, int64_t n,
+                       int64_t n0) {
+  const int64_t width = n - n0 < TILE ? n - n0 : TILE;
+  const __mmask16 keep = (__mmask16)((1u << width) - 1u);
+  const __m512 add = bias ? _mm512_maskz_loadu_ps(keep, bias + n0) : _mm512_setzero_ps();
+  for (int r = 0; r < rows; ++r)
+    _mm512_mask_storeu_ps(out + r * n + n0, keep, _mm512_add_ps(_mm512_mul_ps(total[r], _mm512_set1_ps(row_scales[r])), add));
+}
+
 // out[r][n] = row_scale[r] * sum_g (scale[n,g] * sum_k code[n,k] q[r,k] + min[n,g] * sum_k q[r,k]) + bias[n]
 template <int R>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")))
@@ -127,13 +138,7 @@ void tile_avx512(const uint8_t* blocks, int64_t groups, const int8_t* q, int64_t
       total[r] = _mm512_fmadd_ps(mins, _mm512_set1_ps(group_sums[r * groups + g]), total[r]);
     }
   }
-  const int64_t width = n - n0 < TILE ? n - n0 : TILE;
-  const __mmask16 keep = (__mmask16)((1u << width) - 1u);
-  const __m512 add = bias ? _mm512_maskz_loadu_ps(keep, bias + n0) : _mm512_setzero_ps();
-  for (int r = 0; r < R; ++r) {
-    __m512 y = _mm512_add_ps(_mm512_mul_ps(total[r], _mm512_set1_ps(row_scales[r])), add);
-    _mm512_mask_storeu_ps(out + r * n + n0, keep, y);
-  }
+  store_tile(total, R, row_scales, bias, out, n, n0);
 }
 
 // The same sums with AVX2: u8 x s8 pairs (maddubs; at most 2 * 15 * 127, no saturation), then
@@ -282,13 +287,7 @@ void tile_amx(const uint8_t* blocks, int64_t groups, const int8_t* q, int64_t k,
   }
   for (int64_t g = groups > LAG ? groups - LAG : 0; g < groups; ++g)
     add_group(total, blocks + g * BLOCK_BYTES, sums[g & LAG], group_sums + g, groups);
-  const int64_t width = n - n0 < TILE ? n - n0 : TILE;
-  const __mmask16 keep = (__mmask16)((1u << width) - 1u);
-  const __m512 add = bias ? _mm512_maskz_loadu_ps(keep, bias + n0) : _mm512_setzero_ps();
-  for (int r = 0; r < AMX_ROWS; ++r) {
-    __m512 y = _mm512_add_ps(_mm512_mul_ps(total[r], _mm512_set1_ps(row_scales[r])), add);
-    _mm512_mask_storeu_ps(out + r * n + n0, keep, y);
-  }
+  store_tile(total, AMX_ROWS, row_scales, bias, out, n, n0);
 }
 
 bool amx_usable() {

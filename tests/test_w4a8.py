@@ -35,6 +35,16 @@ def random_layer(n: int, k: int, seed: int):
     return packed, scales, mins, bias
 
 
+def assert_rows_alone_equal_rows_together_and_near(linear, x: torch.Tensor, widths, reference: torch.Tensor) -> None:
+    """linear over the first m rows equals its rows among all of x bit for bit, for each m in
+    widths; all rows within 1e-5 of each row's largest reference output."""
+    together = linear(x)  # (M, N)
+    for m in widths:
+        assert torch.equal(linear(x[:m].contiguous()), together[:m]), m
+    bound = 1e-5 * reference.abs().amax(dim=1, keepdim=True) + 1e-6
+    assert ((together - reference).abs() <= bound).all()
+
+
 @needs_kernel
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("n, k", [(1, 32), (37, 64), (257, 96), (16, 1536), (300, 8960)])
@@ -44,16 +54,13 @@ def test_kernel_matches_reference_for_every_width_and_a_row_alone_equals_the_row
     x = torch.randn(35, k, generator=torch.Generator().manual_seed(k)) * 3
     x[5] = 0.0  # an all-zero row: scale clamps, output is the bias
     x[6, 0] = 1e4  # an outlier row
-    together = KERNEL.linear(x, blocks, n, bias, isa)  # (35, N): with AMX, two sets of 16 on the tile unit, 3 rows on VNNI
-    for m in [*range(1, 18), 32, 33]:
-        got = KERNEL.linear(x[:m].contiguous(), blocks, n, bias, isa)
-        # bit for bit: the rows of a verify pass compute what one-token decoding computes
-        assert torch.equal(got, together[:m]), m
-    reference = cpu_w4a8.w4a8_linear_reference(x, packed, scales, mins, bias)
-    # integer sums are exact; the float sum over K/32 groups in float32: within 1e-5 of each row's largest output
-    bound = 1e-5 * reference.abs().amax(dim=1, keepdim=True) + 1e-6
-    assert ((together - reference).abs() <= bound).all()
-    assert torch.equal(together[5], bias)
+    # a row alone (one-token decoding) computes what it computes among 35 (a verify pass; with AMX
+    # two sets of 16 on the tile unit, 3 rows on VNNI) bit for bit; integer sums are exact, then a
+    # float32 sum over K/32 groups
+    assert_rows_alone_equal_rows_together_and_near(lambda rows: KERNEL.linear(rows, blocks, n, bias, isa), x,
+                                                   [*range(1, 18), 32, 33],
+                                                   cpu_w4a8.w4a8_linear_reference(x, packed, scales, mins, bias))
+    assert torch.equal(KERNEL.linear(x[5:6], blocks, n, bias, isa)[0], bias)
 
 
 @needs_kernel
@@ -104,15 +111,12 @@ def test_prompt_path_matches_its_reference_and_a_row_alone_equals_the_row_among_
     blocks = cpu_w4a8.pack(packed, scales, mins)
     x = torch.randn(70, k, generator=torch.Generator().manual_seed(n)) * 3
     x[3] = 0.0
-    with cpu_w4a8.prompt_pass():
-        together = KERNEL.linear(x, blocks, n, bias)  # (70, N): sets of 32 and 16 rows, and a padded one
-        for m in (1, 5, 16, 17, 33, 64):
-            assert torch.equal(KERNEL.linear(x[:m].contiguous(), blocks, n, bias), together[:m]), m
-    reference = cpu_w4a8.w4a8_prompt_reference(x, packed, scales, mins, bias)
-    # bf16 products are exact in float32; only the order of the float32 sum over K differs
-    bound = 1e-5 * reference.abs().amax(dim=1, keepdim=True) + 1e-6
-    assert ((together - reference).abs() <= bound).all()
-    assert torch.equal(together[3], bias)
+    with cpu_w4a8.prompt_pass():  # 70 rows: sets of 32 and 16, and a padded one
+        # bf16 products are exact in float32; only the order of the float32 sum over K differs
+        assert_rows_alone_equal_rows_together_and_near(lambda rows: KERNEL.linear(rows, blocks, n, bias), x,
+                                                       (1, 5, 16, 17, 33, 64),
+                                                       cpu_w4a8.w4a8_prompt_reference(x, packed, scales, mins, bias))
+        assert torch.equal(KERNEL.linear(x[3:4], blocks, n, bias)[0], bias)
 
 
 @needs_prompt_path
