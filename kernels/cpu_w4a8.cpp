@@ -192,8 +192,8 @@ void tile_avx2(const uint8_t* blocks, int64_t groups, const int8_t* q, int64_t k
 // is how the blocks already order them) give all 16 x 16 integer sums in one TDPBSSD (codes 0..15
 // are valid signed bytes). The sums are exact int32, as with VNNI, and the float steps after them
 // are the VNNI tile's, in the same order: a row's result is bit-identical on either path. The
-// tile unit works on group g while the vector units scale and add group g-1's sums (two sets of
-// tiles and buffers), so a group costs one TDPBSSD plus its float epilogue instead of 128
+// tile unit works on group g while the vector units scale and add group g - LAG's sums (a ring of
+// sums tiles and buffers), so a group costs one TDPBSSD plus its float epilogue instead of 128
 // VPDPBUSDs.
 
 constexpr int AMX_ROWS = 16;
@@ -208,7 +208,7 @@ struct TileConfig {
   uint8_t rows[16];
 };
 
-// tiles 0/1: sums (16 rows x 16 int32), 2/3: activations (16 x 32 bytes), 4/5: codes (8 x 64 bytes).
+// tiles 0-3: sums (16 rows x 16 int32), 4/5: activations (16 x 32 bytes), 6/7: codes (8 x 64 bytes).
 // A global, not a local: GCC 12 does not see that ldtilecfg reads the local and drops its stores.
 const TileConfig TILES = [] {
   TileConfig config = {};
@@ -267,8 +267,6 @@ void tile_amx(const uint8_t* blocks, int64_t groups, const int8_t* q, int64_t k,
               const float* row_scales, const float* bias, float* out, int64_t n, int64_t n0) {
   alignas(64) int8_t codes[UNPACK_AHEAD + 1][8 * 64];
   alignas(64) int32_t sums[LAG + 1][AMX_ROWS * TILE];
-  const __m512i low = _mm512_set1_epi8(0x0F);
-
   __m512 total[AMX_ROWS];
   for (int r = 0; r < AMX_ROWS; ++r) total[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < UNPACK_AHEAD && g < groups; ++g) unpack(blocks + g * BLOCK_BYTES, codes[g]);
@@ -410,12 +408,6 @@ void prompt_tiles(const uint16_t* a, int64_t m, int64_t groups, const uint16_t* 
   }
 }
 
-bool amx_bf16_usable() {
-  unsigned a, b, c, d;
-  return __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d & (1u << 22)) && __builtin_cpu_supports("avx512bf16") &&
-         amx_usable();
-}
-
 // ---- the gated MLP's SiLU(gate) * up, read straight from the fused gate/up output --------------
 
 // e^x for float32: 2^n e^r with n = round(x / ln 2) and |r| <= ln 2 / 2 (ln 2 in two parts),
@@ -430,20 +422,6 @@ inline __m512 exp_ps(__m512 x) {
   __m512 p = _mm512_set1_ps(1.0f / 5040);
   for (float c : taylor) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
   return _mm512_scalef_ps(p, n);
-}
-
-__attribute__((target("avx512f")))
-void silu_mul_rows(const float* gate, const float* up, int64_t m, int64_t width, int64_t gate_stride, int64_t up_stride,
-                   float* out) {
-#pragma omp parallel for schedule(static) if (m * width >= (1 << 16))
-  for (int64_t r = 0; r < m; ++r)
-    for (int64_t j = 0; j < width; j += 16) {
-      const __mmask16 keep = width - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (width - j)) - 1u);
-      const __m512 g = _mm512_maskz_loadu_ps(keep, gate + r * gate_stride + j);
-      const __m512 u = _mm512_maskz_loadu_ps(keep, up + r * up_stride + j);
-      const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g))));
-      _mm512_mask_storeu_ps(out + r * width + j, keep, _mm512_mul_ps(silu, u));
-    }
 }
 
 typedef void (*TileFn)(const uint8_t*, int64_t, const int8_t*, int64_t, const float*, const float*, const float*,
@@ -509,7 +487,11 @@ void w4a8_linear(const float* x, int64_t m, int64_t k, const uint8_t* blocks, in
 }
 
 // Whether this CPU runs w4a8_prompt (AMX-BF16).
-int w4a8_prompt_usable(void) { return amx_bf16_usable(); }
+int w4a8_prompt_usable(void) {
+  unsigned a, b, c, d;
+  return __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d & (1u << 22)) && __builtin_cpu_supports("avx512bf16") &&
+         amx_usable();
+}
 
 // A prompt's pass: x (m, k) float32 -> out (m, n) float32 through bf16 tiles. scratch: at least
 // w4a8_prompt_scratch(m, k) bytes.
@@ -537,9 +519,18 @@ void w4a8_prompt(const float* x, int64_t m, int64_t k, const uint8_t* blocks, in
 }
 
 // out (m, width) = silu(gate) * up for gate and up (m, width) with rows the given floats apart (AVX-512F).
+__attribute__((target("avx512f")))
 void w4a8_silu_mul(const float* gate, const float* up, int64_t m, int64_t width, int64_t gate_stride, int64_t up_stride,
                    float* out) {
-  silu_mul_rows(gate, up, m, width, gate_stride, up_stride, out);
+#pragma omp parallel for schedule(static) if (m * width >= (1 << 16))
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t j = 0; j < width; j += 16) {
+      const __mmask16 keep = width - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (width - j)) - 1u);
+      const __m512 g = _mm512_maskz_loadu_ps(keep, gate + r * gate_stride + j);
+      const __m512 u = _mm512_maskz_loadu_ps(keep, up + r * up_stride + j);
+      const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+      _mm512_mask_storeu_ps(out + r * width + j, keep, _mm512_mul_ps(silu, u));
+    }
 }
 
 }  // extern "C"

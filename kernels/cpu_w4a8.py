@@ -136,7 +136,7 @@ def silu_mul(kernel: Kernel, gate: torch.Tensor, up: torch.Tensor) -> torch.Tens
     halves of a fused gate/up call, read where they lie). Compiled with AVX-512, torch's ops on
     AVX2-only CPUs: one function per machine, so a row's result does not depend on the pass."""
     if kernel.isa < 2:
-        return torch.nn.functional.silu(gate) * up
+        return silu_mul_reference(gate, up)
     g, u = gate.reshape(-1, gate.shape[-1]), up.reshape(-1, up.shape[-1])  # (M, I) views
     out = torch.empty(g.shape, dtype=torch.float32)  # (M, I)
     kernel._silu_mul(g.data_ptr(), u.data_ptr(), g.shape[0], g.shape[1], g.stride(0), u.stride(0), out.data_ptr())
@@ -261,8 +261,9 @@ class SharedInput:
 
 class GatedMLP(torch.nn.Module):
     """down(silu(gate(x)) * up(x)) on w4a8 linears, the same submodules as the model's MLP: SiLU and
-    the product run in one pass over the fused gate/up output (torch's two ops on its strided
-    halves measured about 16 ms per layer at 512 rows, this about 2)."""
+    the product run in one pass over the fused gate/up output, where torch's two ops read its
+    strided halves (one 512 x 8960 product: 1.7 against 4.2 ms; a 512-token prefill of the 1.5B:
+    1.62 against 1.96 s)."""
 
     def __init__(self, gate_proj: W4A8Linear, up_proj: W4A8Linear, down_proj: W4A8Linear) -> None:
         super().__init__()
