@@ -17,13 +17,13 @@ import time
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from localspec.attention import use_exact_attention
-from localspec.config import GenerationLimits
-from localspec.costs import time_forward
-from localspec.decoder import use_exact_pass
-from localspec.engine import Engine
-from localspec.graphs import GraphRunner
-from localspec.kv import KVCache
+from localspec.runtime.attention import use_exact_attention
+from localspec.base.config import GenerationLimits
+from localspec.runtime.costs import time_forward
+from localspec.runtime.decoder import use_exact_pass
+from localspec.core.engine import Engine
+from localspec.runtime.graphs import GraphRunner
+from localspec.runtime.kv import KVCache
 
 SHAPES = {
     "qwen2.5-coder-1.5b": (Qwen2Config, Qwen2ForCausalLM, dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,

@@ -20,10 +20,10 @@ import time
 import httpx
 import uvicorn
 
-from localspec.bench import load_prompts
-from localspec.config import GenerationLimits, SamplingConfig, SpecConfig
-from localspec.server import Served, create_app, listen
-from localspec.session import open_session
+from localspec.apps.bench import load_prompts
+from localspec.base.config import GenerationLimits, SamplingConfig, SpecConfig
+from localspec.apps.server import Served, create_app, listen
+from localspec.store.session import open_session
 
 
 def direct(engine, messages, n: int) -> tuple[float, float]:

@@ -15,10 +15,10 @@ import psutil
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from localspec.config import GenerationLimits, SamplingConfig, SpecConfig
-from localspec.costs import CostModel
-from localspec.engine import Engine
-from localspec.proposers import NgramProposer
+from localspec.base.config import GenerationLimits, SamplingConfig, SpecConfig
+from localspec.runtime.costs import CostModel
+from localspec.core.engine import Engine
+from localspec.core.proposers import NgramProposer
 
 
 def tiny_model(context: int) -> torch.nn.Module:

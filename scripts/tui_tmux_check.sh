@@ -18,7 +18,7 @@ else
     args=(--model smollm2-135m --proposer ngram --dtype float32 --max-new-tokens 64)
     wait_load=300
 fi
-history_dir="$(python -c 'from localspec.config import home_dir; print(home_dir() / "history")')"
+history_dir="$(python -c 'from localspec.base.config import home_dir; print(home_dir() / "history")')"
 mkdir -p "$history_dir"
 before=$(ls "$history_dir" | wc -l)
 

@@ -55,9 +55,9 @@ def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
     """transformers' own greedy decoding, one token per step, on the model as the engine runs it:
     the row-exact attention (see localspec/attention.py), and the cache filled with every prompt
     token but the last in one prompt pass (quant.prompt_pass), as the engine's prefill does."""
-    from localspec.attention import use_exact_attention
-    from localspec.kv import KVCache
-    from localspec.quant import prompt_pass
+    from localspec.runtime.attention import use_exact_attention
+    from localspec.runtime.kv import KVCache
+    from localspec.runtime.quant import prompt_pass
 
     use_exact_attention(model)
     kv = KVCache()
@@ -75,9 +75,9 @@ CODE_PROMPT = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\
 def assert_speculation_reproduces_greedy(loaded, n: int = 32) -> list[int]:
     """A real loaded model: prompt lookup and a self-draft, verified by the engine, give exactly
     this model's own greedy tokens for CODE_PROMPT; returns the prompt ids."""
-    from localspec.config import GenerationLimits, SpecConfig
-    from localspec.engine import Engine
-    from localspec.proposers import DraftModelProposer, NgramProposer
+    from localspec.base.config import GenerationLimits, SpecConfig
+    from localspec.core.engine import Engine
+    from localspec.core.proposers import DraftModelProposer, NgramProposer
 
     ids = loaded.tokenizer(CODE_PROMPT, return_tensors="pt").input_ids[0].tolist()
     expected = hf_greedy(loaded.model, ids, n)

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from localspec.cli import main
+from localspec.apps.cli import main
 
 
 @pytest.mark.parametrize(

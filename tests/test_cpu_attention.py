@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from localspec.config import home_dir
-from localspec_kernels import cpu_attention
-from localspec_kernels.cpu_build import KernelUnavailable
+from localspec.base.config import home_dir
+from localspec.kernels import cpu_attention
+from localspec.kernels.cpu_build import KernelUnavailable
 
 
 def kernel_or_none():
@@ -80,10 +80,10 @@ def test_wrong_layouts_are_refused():
 
 def test_a_model_with_the_kernel_and_with_the_torch_loop_agree_and_each_keeps_greedy_identity(monkeypatch):
     from conftest import PROMPT_IDS, hf_greedy, tiny_model
-    from localspec import attention
-    from localspec.config import GenerationLimits, SpecConfig
-    from localspec.engine import Engine
-    from localspec.proposers import NgramProposer
+    from localspec.runtime import attention
+    from localspec.base.config import GenerationLimits, SpecConfig
+    from localspec.core.engine import Engine
+    from localspec.core.proposers import NgramProposer
 
     model = tiny_model("qwen2", hidden=64)
     attention.use_exact_attention(model)

@@ -15,10 +15,10 @@ pytestmark = [
 ]
 
 from conftest import PROMPT_IDS, hf_greedy, tiny_model  # noqa: E402
-from localspec.config import GenerationLimits, SamplingConfig, SpecConfig  # noqa: E402
-from localspec.costs import CostModel  # noqa: E402
-from localspec.engine import Engine  # noqa: E402
-from localspec.proposers import DraftModelProposer, NgramProposer  # noqa: E402
+from localspec.base.config import GenerationLimits, SamplingConfig, SpecConfig  # noqa: E402
+from localspec.runtime.costs import CostModel  # noqa: E402
+from localspec.core.engine import Engine  # noqa: E402
+from localspec.core.proposers import DraftModelProposer, NgramProposer  # noqa: E402
 
 CUDA = torch.device("cuda")
 COSTS = CostModel({1: 1.0, 2: 1.02, 4: 1.05, 8: 1.1, 16: 1.3, 32: 1.8}, 0.01)
@@ -31,7 +31,7 @@ def on_gpu(model, dtype=torch.bfloat16):
 def test_sampling_runs_on_the_device_with_every_proposer():
     """T > 0 used to crash on a GPU (a CPU generator, CPU draft probabilities)."""
     from test_eagle import random_head
-    from localspec.proposers.eagle import EagleProposer
+    from localspec.core.proposers.eagle import EagleProposer
 
     target = tiny_model("llama", layers=6)
     head = random_head(target, 3, draft_vocab=64).to(CUDA)
@@ -71,7 +71,7 @@ def test_nf4_loads_into_the_gpu_without_the_16bit_model():
     """Peak GPU memory while loading stays near the 4-bit size (plus the unquantized embeddings),
     far below the 16-bit weights that did not fit."""
     pytest.importorskip("bitsandbytes")
-    from localspec.loading import place
+    from localspec.store.loading import place
 
     model = tiny_model("llama", layers=4, hidden=512, vocab=256).to(torch.bfloat16)
     linear_bytes = sum(m.weight.numel() * 2 for m in model.modules() if isinstance(m, torch.nn.Linear))
@@ -93,11 +93,11 @@ def test_nf4_loads_into_the_gpu_without_the_16bit_model():
 def test_a_graph_replay_gives_the_eager_logits_bit_for_bit():
     """The same kernels on the same values: chain passes of 1 and 4 rows and a tree pass, replayed
     from captured graphs, against eager lean passes (which build their own row tables)."""
-    from localspec.attention import RowPlan
-    from localspec.decoder import lean_forward, use_exact_pass
-    from localspec.graphs import GraphRunner
-    from localspec.kv import KVCache
-    from localspec.tree import Draft, verify_inputs, visible_rows
+    from localspec.runtime.attention import RowPlan
+    from localspec.runtime.decoder import lean_forward, use_exact_pass
+    from localspec.runtime.graphs import GraphRunner
+    from localspec.runtime.kv import KVCache
+    from localspec.core.tree import Draft, verify_inputs, visible_rows
 
     target = on_gpu(tiny_model("llama", layers=4))
     use_exact_pass(target)

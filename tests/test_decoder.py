@@ -6,10 +6,10 @@ import pytest
 import torch
 from conftest import tiny_model
 
-from localspec.attention import RowPlan, use_exact_attention
-from localspec.decoder import lean_forward, unsupported_reason, use_lean_forward
-from localspec.kv import KVCache
-from localspec.tree import Draft, verify_inputs, visible_rows
+from localspec.runtime.attention import RowPlan, use_exact_attention
+from localspec.runtime.decoder import lean_forward, unsupported_reason, use_lean_forward
+from localspec.runtime.kv import KVCache
+from localspec.core.tree import Draft, verify_inputs, visible_rows
 
 
 def prefilled(model, n: int = 20) -> tuple[KVCache, list[int]]:
@@ -64,7 +64,7 @@ def test_installed_forward_routes_generation_passes_and_leaves_the_rest(arch, mo
     use_exact_attention(model)
     assert use_lean_forward(model) and use_lean_forward(model)  # idempotent
     calls = []
-    import localspec.decoder as decoder
+    import localspec.runtime.decoder as decoder
 
     real = decoder.lean_forward
     monkeypatch.setattr(decoder, "lean_forward", lambda *a, **k: calls.append(k["input_ids"].shape) or real(*a, **k))

@@ -1,4 +1,4 @@
-"""EAGLE head checkpoints (localspec.proposers.eagle_head): hand-written files in each published
+"""EAGLE head checkpoints (localspec.core.proposers.eagle_head): hand-written files in each published
 layout (EAGLE-1/2, EAGLE-3, speculators' eagle3; safetensors and pytorch_model.bin) load into a
 working head, malformed ones fail with a message naming the problem, save_head round-trips
 bit-identically in the official key layout, and the head's forward pass matches a direct float64
@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from localspec.errors import LocalspecError
-from localspec.proposers.eagle_head import HeadConfig, build_head, load_head, save_head
+from localspec.base.errors import LocalspecError
+from localspec.core.proposers.eagle_head import HeadConfig, build_head, load_head, save_head
 from tests.conftest import tiny_model
 
 # The target: tiny Llama, 8 layers, hidden 48, 4 heads / 2 KV heads (d = 12), vocabulary 96.

@@ -17,14 +17,14 @@ pytest.importorskip("triton")
 if os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("runs the Triton rows on CPU tensors, under the interpreter", allow_module_level=True)
 
-from localspec.attention import RowPlan, RowTable, use_exact_attention  # noqa: E402
-from localspec.config import GenerationLimits, SpecConfig  # noqa: E402
-from localspec.decoder import lean_forward, use_exact_pass  # noqa: E402
-from localspec.engine import Engine  # noqa: E402
-from localspec.graphs import MAX_WIDTH, GraphRunner, capacity, no_capture, unavailable_reason  # noqa: E402
-from localspec.kv import CachedTokens, KVCache, extend_to  # noqa: E402
-from localspec.proposers import DraftModelProposer, NgramProposer  # noqa: E402
-from localspec.tree import Draft, verify_inputs, visible_rows  # noqa: E402
+from localspec.runtime.attention import RowPlan, RowTable, use_exact_attention  # noqa: E402
+from localspec.base.config import GenerationLimits, SpecConfig  # noqa: E402
+from localspec.runtime.decoder import lean_forward, use_exact_pass  # noqa: E402
+from localspec.core.engine import Engine  # noqa: E402
+from localspec.runtime.graphs import MAX_WIDTH, GraphRunner, capacity, no_capture, unavailable_reason  # noqa: E402
+from localspec.runtime.kv import CachedTokens, KVCache, extend_to  # noqa: E402
+from localspec.core.proposers import DraftModelProposer, NgramProposer  # noqa: E402
+from localspec.core.tree import Draft, verify_inputs, visible_rows  # noqa: E402
 
 CPU = torch.device("cpu")
 
@@ -151,8 +151,8 @@ def test_a_failed_capture_turns_the_runner_off_with_a_reason():
 
 def test_models_whose_passes_a_replay_cannot_stand_for():
     from test_eagle import random_head
-    from localspec.proposers.eagle import EagleProposer
-    from localspec.costs import CostModel
+    from localspec.core.proposers.eagle import EagleProposer
+    from localspec.runtime.costs import CostModel
 
     model = target()
     assert unavailable_reason(model) is None
@@ -200,7 +200,7 @@ def test_the_engine_says_once_why_graphs_are_off():
 def test_calibration_times_the_passes_through_the_runner_where_generation_replays_them(monkeypatch):
     """On CUDA the engine's passes replay from graphs, so the cost model must time replays: the
     calibration goes through a runner whenever `graphs.replays` says generation does."""
-    from localspec import costs, graphs
+    from localspec.runtime import costs, graphs
 
     model = target()
     runs = []

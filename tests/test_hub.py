@@ -15,10 +15,10 @@ from types import SimpleNamespace
 import pytest
 from huggingface_hub import constants
 
-from localspec import hub, loading
-from localspec.cli import main
-from localspec.errors import LocalspecError
-from localspec.registry import MirrorSource, ModelEntry
+from localspec.store import hub, loading
+from localspec.apps.cli import main
+from localspec.base.errors import LocalspecError
+from localspec.store.registry import MirrorSource, ModelEntry
 
 REPO = "org/tiny"
 COMMIT = "0123456789abcdef0123456789abcdef01234567"

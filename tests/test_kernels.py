@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from localspec_kernels.cpu_linear import PackedLinear, pack_linears, packing_supported, unpack_linears
+from localspec.kernels.cpu_linear import PackedLinear, pack_linears, packing_supported, unpack_linears
 
 pytestmark = pytest.mark.skipif(not packing_supported(), reason="this torch build has no oneDNN linear ops")
 
@@ -40,7 +40,7 @@ def test_packing_a_model_keeps_its_logits():
         torch.testing.assert_close(model(ids).logits, reference)
 
 
-from localspec_kernels.cpu_int8 import (
+from localspec.kernels.cpu_int8 import (
     Int8Linear, int8_linear_reference, int8_supported, quantize_per_channel,
 )
 
@@ -66,7 +66,7 @@ def test_int8_model_keeps_odd_layers_in_float_and_stays_close():
     model = torch.nn.Sequential(torch.nn.Linear(32, 40), torch.nn.ReLU(), torch.nn.Linear(40, 8)).to(torch.bfloat16)
     x = torch.randn(3, 32, dtype=torch.bfloat16)
     reference = model(x)
-    from localspec.quant import quantize_model
+    from localspec.runtime.quant import quantize_model
 
     assert quantize_model(model, "int8", torch.device("cpu")) == {"0": "int8"}
     assert isinstance(model[0], Int8Linear) and isinstance(model[2], torch.nn.Linear)  # 40 % 16 != 0

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from localspec.kv import CachedTokens, KVCache, common_prefix, extend_to
+from localspec.runtime.kv import CachedTokens, KVCache, common_prefix, extend_to
 
 
 @torch.inference_mode()

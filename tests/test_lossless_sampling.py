@@ -14,13 +14,13 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from localspec.config import GenerationLimits, SamplingConfig, SpecConfig
-from localspec.engine import Engine
-from localspec.proposers import DraftModelProposer
-from localspec.sampling import make_generator, probs_from_logits
-from localspec.tree import Draft
-from localspec.verify import verify_sampling
-from localspec_kernels import rejection_rule
+from localspec.base.config import GenerationLimits, SamplingConfig, SpecConfig
+from localspec.core.engine import Engine
+from localspec.core.proposers import DraftModelProposer
+from localspec.core.sampling import make_generator, probs_from_logits
+from localspec.core.tree import Draft
+from localspec.core.verify import verify_sampling
+from localspec.kernels import rejection_rule
 
 VOCAB = 6
 PROMPT = [1, 2, 3, 4]

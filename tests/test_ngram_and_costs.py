@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from localspec.costs import CostModel
-from localspec.measurements import load_calibrations, measured_costs
-from localspec.stats import GenerationStats
-from localspec.proposers.ngram import lookup
+from localspec.runtime.costs import CostModel
+from localspec.store.measurements import load_calibrations, measured_costs
+from localspec.core.stats import GenerationStats
+from localspec.core.proposers.ngram import lookup
 
 
 @pytest.mark.parametrize(
@@ -40,7 +40,7 @@ def test_pass_cost_interpolates_between_and_beyond_calibrated_widths():
 
 def test_calibration_is_measured_once_and_cached(tmp_path, monkeypatch):
     from conftest import tiny_model
-    import localspec.costs as costs
+    import localspec.runtime.costs as costs
 
     monkeypatch.setenv("LOCALSPEC_HOME", str(tmp_path))
     model = tiny_model("llama")
@@ -55,11 +55,11 @@ def test_calibration_times_the_attention_and_contexts_generation_runs(tmp_path, 
     """make_engine measures after the target has the engine's row-exact attention (before, it
     measured SDPA), at two context lengths, under a key naming the attention path."""
     from conftest import tiny_model
-    import localspec.costs as costs
-    from localspec import session
-    from localspec.attention import NAME
-    from localspec.config import SpecConfig
-    from localspec.loading import LoadedModel
+    import localspec.runtime.costs as costs
+    from localspec.store import session
+    from localspec.runtime.attention import NAME
+    from localspec.base.config import SpecConfig
+    from localspec.store.loading import LoadedModel
 
     monkeypatch.setenv("LOCALSPEC_HOME", str(tmp_path))
     monkeypatch.setattr(session, "packing_supported", lambda: False)

@@ -9,14 +9,15 @@ import pytest
 import torch
 
 from conftest import CharTokenizer, tiny_model
-from localspec import loading, machine, measurements, pairing, proposer_catalog
-from localspec.config import eagle_head_dir
-from localspec.errors import LocalspecError
-from localspec.loading import LoadedModel
-from localspec.proposers.eagle_head import save_head
-from localspec.proposer_catalog import choose_proposer
-from localspec.registry import load_registry
-from localspec.stats import GenerationStats
+from localspec.store import loading, machine, measurements, proposer_catalog
+from localspec.apps import pairing
+from localspec.base.config import eagle_head_dir
+from localspec.base.errors import LocalspecError
+from localspec.store.loading import LoadedModel
+from localspec.core.proposers.eagle_head import save_head
+from localspec.store.proposer_catalog import choose_proposer
+from localspec.store.registry import load_registry
+from localspec.core.stats import GenerationStats
 
 if sys.version_info >= (3, 11):
     import tomllib

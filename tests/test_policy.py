@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from localspec.config import SpecConfig
-from localspec.costs import CostModel
-from localspec.policy import (
+from localspec.base.config import SpecConfig
+from localspec.runtime.costs import CostModel
+from localspec.core.policy import (
     Acceptance, DraftPolicy, Proposal, Running, best_draft_len, best_node_count, best_rate, chain_rate, chain_tokens,
     deeper_pays, draft_model_pays, expected_rate, expected_tokens, predicted_speedup,
 )
-from localspec.tree import Draft
+from localspec.core.tree import Draft
 
 FLAT = CostModel({1: 0.30, 2: 0.28, 4: 0.24, 8: 0.26, 16: 0.31}, draft_step_seconds=0.0)
 """Verifying is nearly free up to 8 tokens (bf16 with AMX)."""

@@ -9,16 +9,16 @@ import pytest
 import torch
 
 from conftest import PROMPT_IDS, assert_speculation_reproduces_greedy, hf_greedy, tiny_model
-from localspec import quant as quantization
-from localspec.config import GenerationLimits, SpecConfig
-from localspec.engine import Engine
-from localspec.errors import LocalspecError
-from localspec.proposers import DraftModelProposer, NgramProposer
-from localspec_kernels.cpu_int8 import Int8Linear
-from localspec_kernels.cpu_w4a8 import W4A8Linear
-from localspec_kernels.cpu_w8a8 import W8A8Linear, w8a8_linear_reference, w8a8_supported, wait_for_packing
-from localspec_kernels.int4_format import int4_matmul_reference, quantize_int4
-from localspec_kernels.int4_linear import Int4Linear, cpu_int4_supported
+from localspec.runtime import quant as quantization
+from localspec.base.config import GenerationLimits, SpecConfig
+from localspec.core.engine import Engine
+from localspec.base.errors import LocalspecError
+from localspec.core.proposers import DraftModelProposer, NgramProposer
+from localspec.kernels.cpu_int8 import Int8Linear
+from localspec.kernels.cpu_w4a8 import W4A8Linear
+from localspec.kernels.cpu_w8a8 import W8A8Linear, w8a8_linear_reference, w8a8_supported, wait_for_packing
+from localspec.kernels.int4_format import int4_matmul_reference, quantize_int4
+from localspec.kernels.int4_linear import Int4Linear, cpu_int4_supported
 
 needs_int4 = pytest.mark.skipif(not cpu_int4_supported(), reason="this torch build has no CPU int4 matmul")
 needs_w8a8 = pytest.mark.skipif(not w8a8_supported(), reason="no exact oneDNN int8 matmul on this machine")
@@ -122,8 +122,8 @@ def test_unsupported_formats_fail_in_one_line(monkeypatch):
 
 
 def test_auto_format_prefers_w4a8_for_4bit_then_w8a8_on_a_capable_cpu_then_keeps_a_4bit_source_4bit_then_fits_memory(monkeypatch):
-    from localspec import session
-    from localspec.registry import load_registry
+    from localspec.store import session
+    from localspec.store.registry import load_registry
 
     registry = load_registry()
     cpu = torch.device("cpu")
@@ -157,8 +157,8 @@ def test_auto_format_prefers_w4a8_for_4bit_then_w8a8_on_a_capable_cpu_then_keeps
 @pytest.mark.real_model
 @needs_int4
 def test_quantized_cache_reloads_the_same_model_and_survives_corruption(tmp_path, monkeypatch):
-    import localspec.loading as loading
-    from localspec.registry import load_registry
+    import localspec.store.loading as loading
+    from localspec.store.registry import load_registry
 
     entry = load_registry().get("smollm2-135m")
     first = loading.load_model(entry, torch.float32, quant="int4", progress=False)
@@ -182,8 +182,8 @@ def test_quantized_cache_reloads_the_same_model_and_survives_corruption(tmp_path
 @pytest.mark.real_model
 @needs_w8a8
 def test_w8a8_runs_the_int8_cache_and_speculation_reproduces_its_greedy_output():
-    import localspec.loading as loading
-    from localspec.registry import load_registry
+    import localspec.store.loading as loading
+    from localspec.store.registry import load_registry
 
     entry = load_registry().get("smollm2-135m")
     loaded = loading.load_model(entry, torch.bfloat16, quant="w8a8", progress=False)

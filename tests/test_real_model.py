@@ -9,11 +9,11 @@ import sys
 import pytest
 import torch
 
-from localspec.config import GenerationLimits, SpecConfig
-from localspec.engine import Engine
-from localspec.loading import load_model
-from localspec.proposers import DraftModelProposer, NgramProposer
-from localspec.registry import load_registry
+from localspec.base.config import GenerationLimits, SpecConfig
+from localspec.core.engine import Engine
+from localspec.store.loading import load_model
+from localspec.core.proposers import DraftModelProposer, NgramProposer
+from localspec.store.registry import load_registry
 
 pytestmark = pytest.mark.real_model
 

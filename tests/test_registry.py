@@ -8,11 +8,12 @@ import pytest
 @pytest.fixture(autouse=True)
 def _no_local_heads(tmp_path, monkeypatch):
     """The policy table must not depend on heads trained on this machine."""
-    monkeypatch.setattr("localspec.proposer_catalog.has_eagle_head", lambda name: False)
+    monkeypatch.setattr("localspec.store.proposer_catalog.has_eagle_head", lambda name: False)
 
-from localspec.errors import LocalspecError
-from localspec.proposer_catalog import Measured, choose_proposer
-from localspec.registry import load_registry
+from localspec.base.errors import LocalspecError
+from localspec.store.measurements import Measured
+from localspec.store.proposer_catalog import choose_proposer
+from localspec.store.registry import load_registry
 
 SHA = "ab" * 32
 GB = 10**9
@@ -146,7 +147,7 @@ def test_a_hostile_or_malformed_user_registry_is_one_line_naming_the_entry(tmp_p
 
 
 def test_rm_of_a_model_named_dot_dot_never_deletes_the_home(tmp_path, monkeypatch, capsys):
-    from localspec.cli import main
+    from localspec.apps.cli import main
 
     home = tmp_path / "home"
     (home / "history").mkdir(parents=True)
@@ -196,7 +197,7 @@ FAST = Measured(tokens=1000, speedup=1.5, acceptance=0.8)
     ],
 )
 def test_auto_prefers_a_head_trained_here_unless_measured_slower(tmp_path, monkeypatch, history, expected, why):
-    monkeypatch.setattr("localspec.proposer_catalog.has_eagle_head", lambda name: True)
+    monkeypatch.setattr("localspec.store.proposer_catalog.has_eagle_head", lambda name: True)
     reg = registry_from(tmp_path, BASE)
     choice = choose_proposer("auto", reg.get("big"), reg, downloaded=ALL, memory=100 * GB, history=history)
     assert (choice.proposer, choice.draft) == expected

@@ -10,17 +10,17 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from conftest import hf_greedy, tiny_model
-from localspec import session as session_module
-from localspec.config import GenerationLimits, SamplingConfig, SpecConfig
-from localspec.costs import CostModel
-from localspec.engine import Engine
-from localspec.errors import LocalspecError
-from localspec.kv import KVCache
-from localspec.policy import SpeedGuard
-from localspec.proposers import DraftModelProposer, NgramProposer
-from localspec.proposers.base import Proposer
-from localspec.tree import Draft, graft, matched_path, verify_inputs
-from localspec.verify import verify_greedy
+from localspec.store import session as session_module
+from localspec.base.config import GenerationLimits, SamplingConfig, SpecConfig
+from localspec.runtime.costs import CostModel
+from localspec.core.engine import Engine
+from localspec.base.errors import LocalspecError
+from localspec.runtime.kv import KVCache
+from localspec.core.policy import SpeedGuard
+from localspec.core.proposers import DraftModelProposer, NgramProposer
+from localspec.core.proposers.base import Proposer
+from localspec.core.tree import Draft, graft, matched_path, verify_inputs
+from localspec.core.verify import verify_greedy
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11, 12, 5, 6, 7, 8, 40, 41, 42, 5, 6, 7]
 
@@ -105,7 +105,7 @@ def test_speed_guard_leaves_a_fast_proposer_alone():
 
 
 def test_draft_that_does_not_fit_in_memory_falls_back_to_prompt_lookup(monkeypatch, capsys):
-    from localspec.registry import load_registry
+    from localspec.store.registry import load_registry
 
     registry = load_registry()
     calls = []
@@ -127,7 +127,7 @@ def test_draft_that_does_not_fit_in_memory_falls_back_to_prompt_lookup(monkeypat
 
 
 def test_an_incompatible_draft_is_refused_with_the_reason(monkeypatch):
-    from localspec.registry import load_registry
+    from localspec.store.registry import load_registry
 
     registry = load_registry()
     monkeypatch.setattr(session_module, "check_tokenizers", lambda *a: "token 7 is 'a' in x but 'b' in y")
@@ -204,7 +204,7 @@ def test_tree_pass_and_compaction_equal_a_fresh_prefill(tree, seed, past):
 @settings(max_examples=100, deadline=None)
 @given(st.lists(st.integers(0, 5), min_size=1, max_size=6), st.integers(0, 2**31 - 1))
 def test_sampling_verification_never_accepts_a_token_the_target_rules_out(drafted, seed):
-    from localspec.verify import verify_sampling
+    from localspec.core.verify import verify_sampling
 
     gen = torch.Generator().manual_seed(seed)
     logits = torch.randn(len(drafted) + 1, 6, generator=gen)

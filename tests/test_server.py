@@ -16,12 +16,12 @@ import uvicorn
 from starlette.testclient import TestClient
 
 from conftest import CharTokenizer, tiny_model
-from localspec.cli import main
-from localspec.config import GenerationLimits, SamplingConfig, SpecConfig
-from localspec.engine import Engine
-from localspec.errors import LocalspecError
-from localspec.proposers import NgramProposer
-from localspec.server import ServeConfig, Served, create_app, listen
+from localspec.apps.cli import main
+from localspec.base.config import GenerationLimits, SamplingConfig, SpecConfig
+from localspec.core.engine import Engine
+from localspec.base.errors import LocalspecError
+from localspec.core.proposers import NgramProposer
+from localspec.apps.server import ServeConfig, Served, create_app, listen
 
 GREEDY = SamplingConfig(temperature=0.0)
 HELLO = [{"role": "user", "content": "abcdabcdabcd say abcd"}]
@@ -419,8 +419,8 @@ def test_serve_refuses_bad_options_in_one_line_before_loading(argv, message, cap
 
 @pytest.fixture(scope="module")
 def smollm2_server():
-    from localspec.loading import load_model
-    from localspec.registry import load_registry
+    from localspec.store.loading import load_model
+    from localspec.store.registry import load_registry
 
     smollm2 = load_model(load_registry().get("smollm2-135m"), torch.float32, progress=False)
     engine = Engine(smollm2.model, smollm2.tokenizer, NgramProposer())
@@ -460,8 +460,8 @@ def test_openai_client_gets_what_localspec_run_prints(smollm2_server, capsys):
 
 @pytest.mark.real_model
 def test_fill_in_the_middle_on_a_coder_model():
-    from localspec.loading import load_model
-    from localspec.registry import load_registry
+    from localspec.store.loading import load_model
+    from localspec.store.registry import load_registry
 
     coder = load_model(load_registry().get("qwen2.5-coder-0.5b"), torch.float32, quant="none", progress=False)
     engine = Engine(coder.model, coder.tokenizer, NgramProposer())

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from conftest import CharTokenizer, tiny_model
-from localspec import session
-from localspec.config import SpecConfig
-from localspec.loading import LoadedModel
-from localspec.registry import load_registry
+from localspec.store import session
+from localspec.base.config import SpecConfig
+from localspec.store.loading import LoadedModel
+from localspec.store.registry import load_registry
 
 CPU = torch.device("cpu")
 FOUR_BIT = "qwen2.5-coder-1.5b"  # a Q4 GGUF mirror: auto would take w4a8 or w8a8 here
@@ -67,7 +67,9 @@ def test_the_first_line_says_float32_ran(fast_int8_cpu, monkeypatch):
 def test_a_measurement_edited_into_another_shape_is_measured_again(tmp_path, monkeypatch, entry):
     import json
 
-    from localspec import costs, measurements
+    from localspec.runtime import costs
+
+    from localspec.store import measurements
 
     monkeypatch.setenv("LOCALSPEC_HOME", str(tmp_path))
     model = tiny_model()
@@ -81,9 +83,9 @@ def test_a_measurement_edited_into_another_shape_is_measured_again(tmp_path, mon
 
 def test_pass_costs_are_keyed_by_what_runs_the_pass(monkeypatch):
     """A changed CPU kernel or the lean pass is measured again, not read from the old entry."""
-    from localspec import measurements
-    from localspec.attention import use_exact_attention
-    from localspec.decoder import use_lean_forward
+    from localspec.store import measurements
+    from localspec.runtime.attention import use_exact_attention
+    from localspec.runtime.decoder import use_lean_forward
 
     model = tiny_model()
     use_exact_attention(model)

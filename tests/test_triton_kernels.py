@@ -23,10 +23,10 @@ if not INTERPRET and not torch.cuda.is_available():
     pytest.skip("TRITON_INTERPRET=0 needs a CUDA GPU", allow_module_level=True)
 DEVICE = "cpu" if INTERPRET else "cuda"
 
-import localspec_kernels.triton_int4 as triton_int4  # noqa: E402
-import localspec_kernels.triton_sampling as triton_sampling  # noqa: E402
-from localspec_kernels.triton_row_attention import row_attention, row_attention_reference  # noqa: E402
-from localspec_kernels.int4_format import (  # noqa: E402
+import localspec.kernels.triton_int4 as triton_int4  # noqa: E402
+import localspec.kernels.triton_sampling as triton_sampling  # noqa: E402
+from localspec.kernels.triton_row_attention import row_attention, row_attention_reference  # noqa: E402
+from localspec.kernels.int4_format import (  # noqa: E402
     dequantize_int4,
     int4_matmul_reference,
     quantize_int4,
@@ -291,9 +291,9 @@ COMPILE_FOR_HOPPER = """
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from localspec_kernels.triton_int4 import _int4_matmul_kernel
-from localspec_kernels.triton_sampling import _rejection_sample_kernel
-from localspec_kernels.triton_row_attention import _row_attention_kernel
+from localspec.kernels.triton_int4 import _int4_matmul_kernel
+from localspec.kernels.triton_sampling import _rejection_sample_kernel
+from localspec.kernels.triton_row_attention import _row_attention_kernel
 
 def build(kernel, types, constexprs):
     signature = dict(zip(kernel.arg_names, types + ["constexpr"] * len(constexprs)))
@@ -324,8 +324,8 @@ def test_kernels_compile_for_a_gpu():
 def test_modules_import_without_triton():
     code = (
         "import sys; sys.modules['triton'] = None\n"  # makes `import triton` raise ImportError
-        "from localspec_kernels import triton_int4, triton_row_attention, triton_sampling\n"
-        "assert not triton_int4.triton_available()\n"
+        "from localspec.kernels import triton_int4, triton_row_attention, triton_sampling, triton_support\n"
+        "assert not triton_support.triton_available()\n"
         "for kernel, args in ((triton_sampling.rejection_sample, 6), (triton_row_attention.row_attention, 7)):\n"
         "    try:\n"
         "        kernel(*[None] * args)\n"
@@ -343,10 +343,10 @@ def test_modules_import_without_triton():
 def test_verify_sampling_gives_the_same_verdicts_fused_and_on_the_host():
     """verify_sampling's CUDA path (the kernel) and its host walk draw the same uniforms from the
     same generator, so they must agree verdict for verdict; here under the interpreter."""
-    from localspec.config import SamplingConfig
-    from localspec.sampling import make_generator
-    from localspec.tree import Draft
-    from localspec.verify import verify_sampling
+    from localspec.base.config import SamplingConfig
+    from localspec.core.sampling import make_generator
+    from localspec.core.tree import Draft
+    from localspec.core.verify import verify_sampling
 
     gen = torch.Generator().manual_seed(11)
     vocab = 40

@@ -19,17 +19,17 @@ import pytest
 from rich.console import Console
 from textual.widgets import Markdown, Static, TextArea
 
-from localspec.config import GenerationLimits, SpecConfig
-from localspec.errors import LocalspecError
-from localspec.tui import streaming
-from localspec.tui.app import LocalspecApp
-from localspec.tui.backend import ChatSettings, SessionBackend
-from localspec.tui.fake import ANSWER, FakeBackend, FakeEngine
-from localspec.tui.history import Conversation, HistoryStore, Message
-from localspec.pairing import Candidate
-from localspec.stats import GenerationStats
-from localspec.tui.screens import HelpScreen, SettingsScreen, WizardScreen
-from localspec.tui.widgets import DRAFT_STYLE, MessageView, StatsPanel
+from localspec.base.config import GenerationLimits, SpecConfig
+from localspec.base.errors import LocalspecError
+from localspec.apps.tui import streaming
+from localspec.apps.tui.app import LocalspecApp
+from localspec.apps.tui.backend import ChatSettings, SessionBackend
+from localspec.apps.tui.fake import ANSWER, FakeBackend, FakeEngine
+from localspec.apps.tui.history import Conversation, HistoryStore, Message
+from localspec.apps.pairing import Candidate
+from localspec.core.stats import GenerationStats
+from localspec.apps.tui.screens import HelpScreen, SettingsScreen, WizardScreen
+from localspec.apps.tui.widgets import DRAFT_STYLE, MessageView, StatsPanel
 
 pytestmark = pytest.mark.anyio  # async tests run under anyio's pytest plugin (asyncio backend)
 
@@ -119,7 +119,7 @@ def test_each_batch_is_on_disk_before_it_is_shown_and_stop_keeps_the_text(tmp_pa
 
 
 def test_disk_full_while_saving_history_keeps_the_answer_going_and_the_old_file_intact(tmp_path, monkeypatch):
-    from localspec import files
+    from localspec.base import files
 
     monkeypatch.setattr(streaming, "BATCH_SECONDS", 0.0)
     store = HistoryStore(tmp_path)
@@ -374,8 +374,8 @@ async def test_a_load_failure_is_shown_and_the_app_keeps_running(tmp_path):
 
 
 def test_bare_localspec_opens_the_chat(monkeypatch):
-    from localspec import tui
-    from localspec.cli import main
+    from localspec.apps import tui
+    from localspec.apps.cli import main
 
     seen = []
     monkeypatch.setattr(tui, "run_chat", lambda settings, fake_engine: seen.append(settings) or 0)
@@ -386,7 +386,7 @@ def test_bare_localspec_opens_the_chat(monkeypatch):
 
 
 def test_chat_with_an_unknown_model_is_a_one_line_error(capsys):
-    from localspec.cli import main
+    from localspec.apps.cli import main
 
     assert main(["chat", "--model", "no-such-model"]) == 2
     assert capsys.readouterr().err.strip().startswith("localspec: error: unknown model 'no-such-model'")
@@ -545,7 +545,7 @@ def test_snapshot_wizard(tmp_path, snap_compare):
 
 @pytest.mark.real_model
 async def test_chat_with_smollm2(tmp_path):
-    from localspec.session import open_session
+    from localspec.store.session import open_session
 
     session = open_session(MODEL, "ngram", "float32", quiet=True)
     settings = ChatSettings(model=MODEL, dtype="float32", spec=SpecConfig(proposer="ngram"),

@@ -7,12 +7,12 @@ import pytest
 import torch
 
 from conftest import assert_speculation_reproduces_greedy
-from localspec import quant as quantization
-from localspec.attention import use_exact_attention
-from localspec.errors import LocalspecError
-from localspec_kernels import cpu_w4a8
-from localspec_kernels.cpu_build import KernelUnavailable
-from localspec_kernels.int4_format import quantize_int4
+from localspec.runtime import quant as quantization
+from localspec.runtime.attention import use_exact_attention
+from localspec.base.errors import LocalspecError
+from localspec.kernels import cpu_w4a8
+from localspec.kernels.cpu_build import KernelUnavailable
+from localspec.kernels.int4_format import quantize_int4
 
 
 def kernel_or_none():
@@ -139,7 +139,7 @@ def test_only_a_prompt_pass_of_enough_rows_takes_the_prompt_path():
 @needs_kernel
 def test_linear_module_keeps_leading_dims_and_adds_bias():
     packed, scales, mins, bias = random_layer(48, 64, seed=1)
-    from localspec_kernels.int4_linear import Int4Linear
+    from localspec.kernels.int4_linear import Int4Linear
 
     source = Int4Linear(64, 48, True, 32, torch.float32)
     source.packed.copy_(packed)
@@ -171,8 +171,8 @@ def test_pack_places_each_code_where_the_kernel_reads_it():
 
 
 def test_without_a_compiler_the_kernel_says_why_and_auto_takes_another_format(monkeypatch, tmp_path, capsys):
-    from localspec import session
-    from localspec.registry import load_registry
+    from localspec.store import session
+    from localspec.store.registry import load_registry
 
     monkeypatch.setenv("LOCALSPEC_HOME", str(tmp_path))
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
@@ -195,8 +195,8 @@ def test_without_a_compiler_the_kernel_says_why_and_auto_takes_another_format(mo
 
 @needs_kernel
 def test_auto_takes_w4a8_for_a_4bit_model_on_a_cpu_that_builds_it():
-    from localspec import session
-    from localspec.registry import load_registry
+    from localspec.store import session
+    from localspec.store.registry import load_registry
 
     quant, reason = session.choose_quant(load_registry().get("qwen2.5-coder-1.5b"), "auto", torch.device("cpu"))
     assert quant == "w4a8" and KERNEL.name in reason
@@ -207,8 +207,8 @@ def test_auto_takes_w4a8_for_a_4bit_model_on_a_cpu_that_builds_it():
 @pytest.mark.real_model
 @needs_kernel
 def test_w4a8_runs_the_int4_cache_from_stored_blocks_and_speculation_reproduces_its_greedy_output():
-    import localspec.loading as loading
-    from localspec.registry import load_registry
+    import localspec.store.loading as loading
+    from localspec.store.registry import load_registry
 
     entry = load_registry().get("smollm2-135m")
     loaded = loading.load_model(entry, torch.bfloat16, quant="w4a8", progress=False)
@@ -241,11 +241,11 @@ def test_w4a8_runs_the_int4_cache_from_stored_blocks_and_speculation_reproduces_
 @needs_prompt_path
 def test_a_long_prompt_fills_the_cache_through_the_prompt_path_and_speculation_still_reproduces_plain_decoding(monkeypatch):
     from conftest import CODE_PROMPT
-    from localspec.config import GenerationLimits, SpecConfig
-    from localspec.engine import Engine
-    from localspec.proposers import DraftModelProposer, NgramProposer
-    import localspec.loading as loading
-    from localspec.registry import load_registry
+    from localspec.base.config import GenerationLimits, SpecConfig
+    from localspec.core.engine import Engine
+    from localspec.core.proposers import DraftModelProposer, NgramProposer
+    import localspec.store.loading as loading
+    from localspec.store.registry import load_registry
 
     loaded = loading.load_model(load_registry().get("smollm2-135m"), torch.bfloat16, quant="w4a8", progress=False)
     kernel = next(m.kernel for m in loaded.model.modules() if isinstance(m, cpu_w4a8.W4A8Linear))
@@ -267,7 +267,7 @@ def test_a_long_prompt_fills_the_cache_through_the_prompt_path_and_speculation_s
 
 @needs_kernel
 def test_linears_sharing_an_input_compute_in_one_call_exactly_what_each_computes_alone(monkeypatch):
-    from localspec_kernels.int4_linear import Int4Linear
+    from localspec.kernels.int4_linear import Int4Linear
 
     sources = []
     for i, n in enumerate((64, 32, 32)):  # q, k, v
@@ -296,7 +296,7 @@ def test_linears_sharing_an_input_compute_in_one_call_exactly_what_each_computes
 
 
 def test_a_damaged_kernel_library_in_the_cache_is_built_again(tmp_path):
-    from localspec_kernels.cpu_build import build
+    from localspec.kernels.cpu_build import build
 
     first = build(cpu_w4a8.SOURCE, tmp_path / "a", "w4a8 kernel")
     (built,) = (tmp_path / "a").glob("*.so")

@@ -1,0 +1,322 @@
+"""Command line: `localspec run / bench / models / chat / pull / rm / pair / train-eagle / serve`.
+
+Errors the user can act on print one line (`localspec: error: ...`) and exit 2, never a traceback.
+Each command imports what loads torch (sessions, downloads, the UI) only when it runs, so that
+`--help` and a mistyped option answer at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from localspec.store import proposer_catalog
+from localspec.base.config import DRAFT_QUANTS, DTYPES, QUANTS, GenerationLimits, SamplingConfig, SpecConfig, eagle_head_dir
+from localspec.base.errors import LocalspecError
+from localspec.store.measurements import pair_key
+from localspec.store.registry import load_registry
+
+PROPOSER_HELP = "; ".join(f"{kind.name}: {kind.about}" for kind in proposer_catalog.KINDS.values())
+
+
+def _add_model_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="registry name (default: the registry's default model)")
+    p.add_argument("--dtype", default="auto", choices=DTYPES, help="compute dtype (auto: measured on this machine); an explicit one also keeps float weights "
+                   "under --quant auto, quantized only if they do not fit in memory")
+    p.add_argument("--draft-len", type=int, default=None, help="fixed draft length (default: adaptive, from measured costs)")
+    p.add_argument("--max-draft-len", type=int, default=15, help="upper bound for the adaptive draft length")
+    p.add_argument("--quant", default="auto", metavar="|".join(QUANTS),
+                   help="target weights (auto on a CPU: w4a8, localspec's 4-bit x int8 kernel, when the published "
+                   "model is 4-bit; else w8a8 where int8 multiplies exactly; else 4-bit for a 4-bit model; else "
+                   "only to fit memory); "
+                   "bench takes a comma list to compare them side by side")
+    p.add_argument("--draft-quant", default="auto", choices=DRAFT_QUANTS, help="draft weights (auto: the fastest measured step)")
+    p.add_argument("--tree-top-k", type=int, default=8, help="EAGLE: children per expanded node")
+    p.add_argument("--tree-nodes", type=int, default=None, help="EAGLE: fixed tree size (default: from measured costs)")
+    p.add_argument("--tree-depth", type=int, default=None, help="EAGLE: fixed depth (default: while a level pays)")
+    p.add_argument("--ngram-min", type=int, default=1, help="shortest suffix prompt lookup matches")
+    p.add_argument("--ngram-max", type=int, default=4, help="longest suffix prompt lookup tries first")
+    p.add_argument("--no-lookup", action="store_true",
+                   help="draft/EAGLE: do not add prompt lookup's guesses to the model's (default: add them)")
+
+
+def _add_sampling_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--max-new-tokens", type=int, default=512)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="localspec", description="Lossless speculative decoding on your own machine.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="answer one prompt, streaming to stdout")
+    run.add_argument("prompt", help="the prompt, or - to read it from stdin")
+    _add_model_options(run)
+    run.add_argument("--proposer", default="auto", choices=proposer_catalog.CHOICES,
+                     help=f"who guesses the next tokens (auto: the fastest that can run here); {PROPOSER_HELP}")
+    _add_sampling_options(run)
+    run.add_argument("--system", default=None, help="system prompt")
+    run.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    run.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    run.add_argument("--quiet", action="store_true", help="no progress or notices on stderr")
+
+    bench = sub.add_parser("bench", help="compare proposers and transformers' generate on a prompt set")
+    _add_model_options(bench)
+    bench.add_argument("--proposers", default=",".join(reversed(proposer_catalog.KINDS)),
+                       help="comma-separated proposers to run (those that cannot run for the model are skipped)")
+    bench.add_argument("--prompts", default=None, help="JSON file: a list of {name, prompt} objects")
+    bench.add_argument("--max-new-tokens", type=int, default=128)
+    bench.add_argument("--no-hf", action="store_true", help="skip transformers' own generate modes")
+    bench.add_argument("--llama-cpp", default=None, metavar="DIR",
+                       help="llama.cpp's bin folder: also run its plain and speculative decoding on the same GGUF "
+                       "and prompts, and report the ratios")
+    bench.add_argument("--out", default=None, help="write the JSON report here (default: bench-results/<time>.json)")
+
+    sub.add_parser("models", help="list the models localspec knows, which are downloaded, and their pairings")
+
+    pull = sub.add_parser("pull", help="download a model (Hugging Face Hub, else the offline mirror)")
+    pull.add_argument("name", help="registry name")
+    pull.add_argument("--offline", action="store_true",
+                      help="no network: only the mirror's files already here (also: HF_HUB_OFFLINE=1)")
+
+    rm = sub.add_parser("rm", help="delete a model's downloads and converted copies")
+    rm.add_argument("name", help="registry name")
+
+    pair = sub.add_parser("pair", help="measure the proposers for a target here and keep the fastest")
+    pair.add_argument("target", nargs="?", default=None, help="registry name (default: choose among those that fit)")
+    pair.add_argument("--prompts", default=None, help="JSON file: a list of {name, prompt} objects to measure on")
+    pair.add_argument("--max-new-tokens", type=int, default=64)
+    pair.add_argument("--dtype", default="auto", choices=DTYPES)
+    pair.add_argument("--offline", action="store_true", help="no network: only models already downloaded")
+
+    train = sub.add_parser("train-eagle", help="train an EAGLE head for a target on this machine (resumable)")
+    train.add_argument("--target", default=None, help="registry name (default: the registry's default model)")
+    train.add_argument("--out", default=None, help="output folder (default: where --proposer eagle/auto look for it)")
+    train.add_argument("--data", action="append", default=None, help="text/code file or folder (repeatable; default: the Python standard library)")
+    train.add_argument("--self-distill", type=int, default=0, metavar="N", help="also train on the target's own answers to N prompts")
+    train.add_argument("--eagle1", action="store_true", help="EAGLE-1 layout (final hidden state, target's lm_head) instead of EAGLE-3")
+    train.add_argument("--max-tokens", type=int, default=60_000, help="training tokens taken from the files")
+    train.add_argument("--epochs", type=int, default=4)
+    train.add_argument("--draft-vocab", type=int, default=8192, help="EAGLE-3 draft vocabulary size")
+    train.add_argument("--ttt-steps", type=int, default=3, help="unrolled training-time-test steps")
+    train.add_argument("--intermediate-size", type=int, default=None, help="the head's MLP width (default: the target's)")
+    train.add_argument("--answer-tokens", type=int, default=160, help="longest self-distilled answer")
+    train.add_argument("--lr", type=float, default=1e-3)
+    train.add_argument("--quant", default="auto", metavar="|".join(QUANTS), help="target weights, as it will run")
+    train.add_argument("--dtype", default="auto", choices=DTYPES)
+
+    chat = sub.add_parser("chat", help="terminal chat with live speculation statistics (also: bare `localspec`)")
+    _add_model_options(chat)
+    chat.add_argument("--proposer", default="auto", choices=proposer_catalog.CHOICES)
+    _add_sampling_options(chat)
+    chat.add_argument("--system", default="", help="system prompt")
+    chat.add_argument("--fake-engine", action="store_true", help=argparse.SUPPRESS)  # scripted answers, for tests
+
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server for editors, agents and web UIs")
+    _add_model_options(serve)
+    serve.add_argument("--proposer", default="auto", choices=proposer_catalog.CHOICES)
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: this machine only)")
+    serve.add_argument("--port", type=int, default=8080)
+    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (default: $LOCALSPEC_API_KEY)")
+    serve.add_argument("--insecure", action="store_true", help="allow a non-local --host without an API key")
+    serve.add_argument("--cors", action="append", default=[], metavar="ORIGIN", help="let browsers from ORIGIN call the API (repeatable)")
+    serve.add_argument("--queue", type=int, default=8, help="requests that may wait while one generates (beyond: 429)")
+    return parser
+
+
+def spec_from(args: argparse.Namespace, proposer: str) -> SpecConfig:
+    return SpecConfig(
+        proposer=proposer, draft_len=args.draft_len, max_draft_len=args.max_draft_len,
+        ngram_min=args.ngram_min, ngram_max=args.ngram_max, draft_quant=args.draft_quant,
+        quant=getattr(args, "quant", "auto"), tree_top_k=args.tree_top_k, tree_nodes=args.tree_nodes,
+        tree_depth=args.tree_depth, lookup=not args.no_lookup,
+    )
+
+
+def _read_prompt(arg: str) -> str:
+    if arg != "-":
+        try:  # bytes that are not UTF-8 arrive as lone surrogates, which no tokenizer can encode
+            arg.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise LocalspecError(f"the prompt argument is not valid UTF-8 (character {exc.start})") from None
+        return arg
+    data = sys.stdin.buffer.read()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise LocalspecError(f"the prompt on stdin is not valid UTF-8 (byte {exc.start})") from exc
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    sampling = SamplingConfig(args.temperature, args.top_k, args.top_p, args.seed)
+    limits = GenerationLimits(args.max_new_tokens, tuple(args.stop))
+    spec = spec_from(args, args.proposer)
+    prompt = _read_prompt(args.prompt)
+    if not prompt.strip():
+        raise LocalspecError("the prompt is empty")
+
+    from localspec.store.measurements import record_generation
+    from localspec.store.session import describe_weights, open_session
+
+    session = open_session(args.model, args.proposer, args.dtype, spec, quiet=args.quiet or args.json)
+    if not (args.quiet or args.json):
+        print(f"localspec: {session.proposer} proposer: {session.reason}; dtype: {session.dtype_reason}", file=sys.stderr)
+    engine = session.engine
+    text = []
+    try:
+        for event in engine.generate(prompt, sampling, limits, system=args.system):
+            text.append(event.text)
+            if not args.json:
+                sys.stdout.write(event.text)
+                sys.stdout.flush()
+    except KeyboardInterrupt:
+        engine.stats.stop_reason = "interrupted"
+    stats = engine.stats
+    record_generation(session.entry.name, session.proposer, stats, session.draft.name if session.draft else None)
+    if args.json:
+        print(json.dumps({
+            "text": "".join(text),
+            "model": session.entry.name,
+            "settings": {
+                "proposer": session.proposer, "dtype": str(session.target.dtype).removeprefix("torch."),
+                "target_weights": describe_weights(session.target),
+                "draft_weights": describe_weights(session.draft) if session.draft else None,
+                "dtype_reason": session.dtype_reason, "draft_len": args.draft_len,
+                "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed,
+                "max_new_tokens": args.max_new_tokens, "system": args.system, "stop": args.stop,
+            },
+            "stats": stats.to_dict(),
+        }, indent=1))
+    else:
+        sys.stdout.write("\n")
+        if not args.quiet:
+            for notice in stats.notices:
+                print(f"localspec: {notice}", file=sys.stderr)
+            print(stats.summary(), file=sys.stderr)
+    return 0
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    from localspec.store import hub, loading
+
+    registry = load_registry()
+    print(f"{'name':20} {'arch':6} {'params':>7} {'download':>9} {'on disk':>15}  about")
+    for name, entry in registry.models.items():
+        on_disk = hub.disk_size(entry)
+        local = f"{on_disk / 1e9:.2f} GB" if on_disk else "-"
+        if on_disk and not loading.is_downloaded(entry):
+            local += " partial"
+        about = [entry.display]
+        if name == registry.default:
+            about.append("(default)")
+        if entry.drafts:
+            about.append(f"drafts: {', '.join(entry.drafts)}")
+        if entry.paired:
+            p = entry.paired
+            about.append(f"paired: {pair_key(p.proposer, p.draft)}, draft length {p.draft_len}, {p.speedup:.2f}x")
+        print(f"{name:20} {entry.arch:6} {entry.params:6.2f}B {entry.size / 1e9:6.2f} GB {local:>15}  {'; '.join(about)}")
+    return 0
+
+
+def cmd_pull(args: argparse.Namespace) -> int:
+    from localspec.store.hub import pull
+
+    pulled = pull(load_registry().get(args.name), offline=args.offline)
+    via = f" ({pulled.note})" if pulled.note else ""
+    print(f"{args.name}: {pulled.source}{via}: {pulled.path}")
+    return 0
+
+
+def cmd_rm(args: argparse.Namespace) -> int:
+    from localspec.store.hub import rm
+
+    freed = rm(load_registry().get(args.name))
+    print(f"{args.name}: removed, {freed / 1e9:.2f} GB freed")
+    return 0
+
+
+def cmd_pair(args: argparse.Namespace) -> int:
+    from localspec.apps.pairing import pair
+
+    pair(
+        args.target, prompts_file=args.prompts, max_new_tokens=args.max_new_tokens, dtype=args.dtype,
+        offline=args.offline, ask=input if sys.stdin.isatty() else None,
+    )
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from localspec.apps.bench import run_bench
+
+    return run_bench(args, spec_from(args, "auto"))
+
+
+def cmd_train_eagle(args: argparse.Namespace) -> int:
+    from localspec.store.session import load_models
+    from localspec.apps.train_eagle import TrainSettings, train_eagle
+
+    settings = TrainSettings(
+        version=1 if args.eagle1 else 3, max_tokens=args.max_tokens, self_distill=args.self_distill,
+        draft_vocab=args.draft_vocab, epochs=args.epochs, ttt_steps=args.ttt_steps, lr=args.lr,
+        intermediate_size=args.intermediate_size, answer_tokens=args.answer_tokens,
+    )
+    if settings.epochs < 1 or settings.ttt_steps < 1 or settings.max_tokens < 0 or settings.self_distill < 0:
+        raise LocalspecError("--epochs and --ttt-steps must be at least 1; --max-tokens and --self-distill at least 0")
+    entry = load_registry().get(args.target)
+    target, _, how = load_models(entry, None, "eagle", args.dtype, SpecConfig(quant=args.quant), quiet=False)
+    out = Path(args.out) if args.out else eagle_head_dir(entry.name)
+    print(f"localspec: training an EAGLE-{settings.version} head for {entry.name} ({how}) into {out}", file=sys.stderr)
+    data = [Path(p) for p in args.data] if args.data else None
+    summary = train_eagle(target, out, data, settings)
+    print(json.dumps(summary, indent=1))
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from localspec.apps.tui import ChatSettings, run_chat
+
+    settings = ChatSettings(
+        model=args.model, dtype=args.dtype, spec=spec_from(args, args.proposer),
+        sampling=SamplingConfig(args.temperature, args.top_k, args.top_p, args.seed),
+        limits=GenerationLimits(args.max_new_tokens), system=args.system,
+    )
+    return run_chat(settings, fake_engine=args.fake_engine)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from localspec.apps.server import ServeConfig, serve, session_loader
+
+    config = ServeConfig(host=args.host, port=args.port, api_key=args.api_key or os.environ.get("LOCALSPEC_API_KEY") or None,
+                         insecure=args.insecure, cors=tuple(args.cors), queue=args.queue)
+    return serve(config, session_loader(args.model, args.proposer, args.dtype, spec_from(args, args.proposer)))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    args = parser.parse_args(argv or ["chat"])  # bare `localspec` opens the chat
+    try:
+        return {"run": cmd_run, "models": cmd_models, "bench": cmd_bench, "chat": cmd_chat,
+                "pull": cmd_pull, "rm": cmd_rm, "pair": cmd_pair, "train-eagle": cmd_train_eagle,
+                "serve": cmd_serve}[args.command](args)
+    except LocalspecError as exc:
+        print(f"localspec: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("localspec: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        # whoever read stdout stopped (`| head`): end quietly, as a program killed by SIGPIPE
+        # would; stdout goes to /dev/null so that the exit's final flush cannot fail again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
+
+
+if __name__ == "__main__":
+    sys.exit(main())

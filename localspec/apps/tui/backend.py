@@ -1,0 +1,136 @@
+"""What the chat needs from the engine side: settings, an engine factory, the loaded engine.
+
+The app is handed a Backend (dependency injection): `SessionBackend` loads real models through
+`localspec.store.session`; `localspec.apps.tui.fake.FakeBackend` scripts answers for tests and demos. Nothing
+here imports torch at module level, so the UI is up before the weights are.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import psutil
+
+from localspec.store import proposer_catalog
+from localspec.base.config import GenerationLimits, SamplingConfig, SpecConfig
+from localspec.base.errors import LocalspecError
+from localspec.store.registry import Registry, load_registry
+
+
+@dataclass(frozen=True)
+class ChatSettings:
+    """Everything a turn depends on; each part validates itself (LocalspecError)."""
+
+    model: str | None = None
+    """Registry name; None is the registry's default."""
+    dtype: str = "auto"
+    spec: SpecConfig = field(default_factory=SpecConfig)
+    """Proposer and draft length: changing them rebuilds the engine."""
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    limits: GenerationLimits = field(default_factory=GenerationLimits)
+    system: str = ""
+    """System prompt sent with every turn ('' for none)."""
+
+    def needs_new_engine(self, other: ChatSettings) -> bool:
+        return (self.model, self.dtype, self.spec) != (other.model, other.dtype, other.spec)
+
+
+class ChatEngine(Protocol):
+    """The part of localspec.core.engine.Engine the chat uses."""
+
+    stats: object  # a localspec.core.stats.GenerationStats, updated after every target pass
+
+    def generate(self, prompt, sampling, limits, system=None): ...
+
+
+@dataclass
+class Loaded:
+    """A ready engine and what the statistics panel says about it."""
+
+    engine: ChatEngine
+    model: str
+    proposer: str
+    reason: str
+    dtype_reason: str
+    memory: Callable[[], str]
+    """Memory in use now, as one short text (RAM, and GPU memory on CUDA)."""
+
+
+class Backend(Protocol):
+    registry: Registry
+
+    def open(self, settings: ChatSettings, status: Callable[[str], None]) -> Loaded:
+        """Load what `settings` needs (reusing what is loaded) and build an engine. Runs in a
+        worker thread; `status` reports each stage for the loading screen."""
+
+
+def available_proposers(registry: Registry, model: str | None) -> list[str]:
+    """The proposers in the catalog that can run for this model here (the draft one with a
+    registered draft, EAGLE with a head trained here)."""
+    return proposer_catalog.available(registry.get(model))
+
+
+def error_text(exc: Exception) -> str:
+    """One line for the user: our own errors as they are, anything else with its type."""
+    return str(exc) if isinstance(exc, LocalspecError) else f"{type(exc).__name__}: {exc}"
+
+
+def memory_in_use(device: str) -> str:
+    rss = psutil.Process().memory_info().rss
+    text = f"{rss / 2**20:,.0f} MiB RAM"
+    if device == "cuda":
+        import torch  # only reached when a CUDA engine is loaded, so torch is already imported
+
+        text += f", {torch.cuda.memory_allocated() / 2**20:,.0f} MiB GPU"
+    return text
+
+
+class SessionBackend:
+    """Real models through localspec.store.session; keeps the target (and draft) weights loaded so a
+    proposer or draft-length change only rebuilds the engine."""
+
+    def __init__(self, registry: Registry | None = None, session=None) -> None:
+        self.registry = registry or load_registry()
+        self.session = session
+        self.dtype = None
+        """The dtype option the session was opened with (None: opened by the caller)."""
+        self.engine = session.engine if session is not None else None
+        """The engine handed out last (the session's own, or one rebuilt for a proposer switch)."""
+
+    def open(self, settings: ChatSettings, status: Callable[[str], None]) -> Loaded:
+        status("importing torch")
+        # imported here, in the loading worker, so that the UI is up before torch is
+        from localspec.store import session as sessions
+        from localspec.store.loading import load_model, release_memory
+
+        entry = self.registry.get(settings.model)
+        current = self.session
+        if current is None or current.entry.name != entry.name or self.dtype not in (None, settings.dtype):
+            self.session = current = None
+            release_memory()  # free the old weights before the new ones arrive
+            status(f"loading {entry.name} (the first time: download, conversion, measurements)")
+            current = self.session = sessions.open_session(
+                entry.name, settings.spec.proposer, settings.dtype, settings.spec, quiet=True, registry=self.registry
+            )
+            self.dtype = settings.dtype
+            engine, proposer, reason = current.engine, current.proposer, current.reason
+        else:
+            # a proposer picked in the UI on the weights already loaded ('auto' only comes with a load)
+            proposer = settings.spec.proposer
+            reason = f"{proposer} was chosen in the chat"
+            if proposer_catalog.kind(proposer).draft_model and current.draft is None:
+                draft_entry = sessions.draft_entry_for(self.registry, entry)
+                status(f"loading draft model {draft_entry.name}")
+                # the draft alone, at the target's dtype: load_models would load the target again
+                current.draft = load_model(draft_entry, current.target.dtype, device=current.target.device, progress=False)
+            status("measuring pass costs (cached after the first time)")
+            engine = sessions.make_engine(current.target, current.draft, proposer, settings.spec, reason)
+        if self.engine is not None and self.engine is not engine:
+            # once the new engine is built (a failure leaves the old one working): what the old
+            # engine's proposer hooked into the target goes with it
+            sessions.release_engine(self.engine)
+        self.engine = engine
+        device = current.target.device.type
+        return Loaded(engine, entry.name, proposer, reason, current.dtype_reason, lambda: memory_in_use(device))

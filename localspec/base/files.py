@@ -1,0 +1,167 @@
+"""The rules for files localspec writes and the names it builds paths from, in one place. No torch.
+
+- check_name: registry model names, mirror file names and chat ids become path components, so
+  they match a strict pattern (no separator, no "..", no leading dot) before any path is built.
+- inside: whether a path lies strictly inside a folder once links are resolved (checked before
+  deleting it).
+- write_text_atomic: readers see the old text or the new, never half of it; each call has its own
+  temporary name, so two processes never write the same temporary file.
+- locked: an exclusive lock around a read-modify-write of a file two processes may share
+  (calibration, pairing history, the user registry).
+- work_dir: a folder of this process's own for a long write (a download, a conversion); what a
+  killed process left of its own is removed by the next one.
+- hold / remove_unless_held: a reader holds a finished cache (a shared lock on its marker file)
+  for as long as it reads it; a cleanup removes only what nobody holds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+from typing import BinaryIO, Callable, Iterator
+
+from localspec.base.errors import LocalspecError
+
+NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,127}")
+"""A name that is one path component: starts with a letter or digit, then letters, digits, . _ + -."""
+
+
+def check_name(name: object, what: str) -> str:
+    """`name` if it can be used as a single path component; otherwise a one-line error naming it."""
+    if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name) or ".." in name:
+        raise LocalspecError(
+            f"{what} {name!r} is not a valid name (letters, digits and . _ + - only, starting with a letter "
+            "or digit, no '..')"
+        )
+    return name
+
+
+def inside(path: Path, root: Path) -> bool:
+    """Whether `path` lies strictly inside `root` (never `root` itself) once links are resolved."""
+    resolved, base = path.resolve(), root.resolve()
+    return resolved != base and resolved.is_relative_to(base)
+
+
+def write_text_atomic(path: Path, text: str, *, durable: bool = True) -> None:
+    """Replace `path` with `text`: a reader or a killed process sees the old file or the new one.
+
+    durable=True also syncs the file and its folder, so the new text survives a power cut; the
+    chat history, saved after every streamed batch, skips that cost.
+    """
+    write_atomic(path, lambda out: out.write(text.encode("utf-8")), durable=durable)
+
+
+def write_atomic(path: Path, write: Callable[[BinaryIO], object], *, durable: bool = True) -> None:
+    """Replace `path` with what `write` writes to the open (binary) file it is given, atomically
+    as in write_text_atomic."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as out:
+            write(out)
+            if durable:
+                out.flush()
+                os.fsync(out.fileno())
+        os.replace(tmp, path)
+    except BaseException:  # disk full, Ctrl-C: no temporary left behind, the previous file intact
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    if durable:
+        folder = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(folder)
+        finally:
+            os.close(folder)
+
+
+def work_dir(parent: Path, prefix: str) -> Path:
+    """A new folder in `parent` named `prefix` + this process id; folders of that prefix whose
+    process has ended (killed mid-write: a GB-sized download or conversion) are removed first."""
+    for old in parent.glob(f"{prefix}*"):
+        pid = old.name[len(prefix):].split(".")[0]
+        if pid.isdigit() and not _running(int(pid)):
+            shutil.rmtree(old, ignore_errors=True)
+    return Path(tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}.", dir=parent))
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+@contextlib.contextmanager
+def locked(path: Path) -> Iterator[None]:
+    """Hold an exclusive lock for `path` (on `path`.lock beside it) until the block ends.
+
+    The lock file is never deleted: removing it while another process waits on it would let a
+    third process lock a new file and both proceed. The kernel drops the lock if the holder dies.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_name(path.name + ".lock"), "a") as handle:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
+
+
+def hold(marker: Path) -> BinaryIO | None:
+    """A shared hold on what `marker` vouches for (a finished cache folder's marker file, or a file
+    itself): while the returned file stays open, `remove_unless_held` leaves it alone. The kernel
+    drops the hold when the file is closed or the process ends. None when `marker` does not exist
+    (never finished, or removed, also while this call waited for a removal under way)."""
+    try:
+        handle = open(marker, "rb")
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    fcntl.flock(handle.fileno(), fcntl.LOCK_SH)  # waits only while a removal is under way
+    try:
+        still_there = os.path.samestat(os.fstat(handle.fileno()), os.stat(marker))
+    except OSError:
+        still_there = False
+    if not still_there:
+        handle.close()
+        return None
+    return handle
+
+
+def remove_unless_held(path: Path, marker: Path, root: Path) -> bool:
+    """Delete `path` (a folder or a file strictly inside `root`) unless a reader holds `marker` (see
+    `hold`); True if it was removed. A folder is removed under its `locked` lock, so that no finished
+    copy is moved into place meanwhile; a folder without its marker (unfinished, or half removed by
+    a killed cleanup) cannot be held and is removed."""
+    if not inside(path, root):
+        raise LocalspecError(f"refusing to remove {path}: it is not inside {root}")
+    with locked(path) if path.is_dir() else contextlib.nullcontext():
+        try:
+            handle = open(marker, "rb")
+        except FileNotFoundError:
+            handle = None
+        with handle if handle is not None else contextlib.nullcontext():
+            if handle is not None:
+                try:
+                    fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    return False
+            # a reader waiting for its hold meanwhile finds the marker gone and reads nothing here
+            if path.is_dir():
+                shutil.rmtree(path)
+            else:
+                path.unlink(missing_ok=True)
+    return True
+
+
+def size_on_disk(path: Path) -> int:
+    """Bytes of a file, or of every file in a folder (links not followed)."""
+    if not path.is_dir():
+        return path.stat().st_size if path.is_file() else 0
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file() and not p.is_symlink())

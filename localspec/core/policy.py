@@ -1,0 +1,327 @@
+"""The draft policy: how many guesses each pass verifies, and whose.
+
+Nothing here touches a model or decides a token: verification keeps the output exact whatever is
+decided, so the policy only trades drafting time against tokens per pass.
+
+One formula (Leviathan et al. 2023, with measured costs in place of a constant ratio): a pass
+commits the target's own token plus each drafted node with the probability that the target accepts
+it (its "reach"), and costs the drafting time plus one verify pass over the root and the drafted
+nodes, measured per width (`CostModel`). `expected_rate` is that quotient; every draft length, tree
+size and lookup-vs-model choice below maximises it, and `predicted_speedup` is the same quotient in
+units of one plain pass.
+
+One estimator: `Running`, a ratio of exponentially decayed sums started at a prior, for acceptance
+(accepted over judged guesses), rates (tokens over seconds) and step times (seconds over steps).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from itertools import accumulate
+from operator import mul
+
+from localspec.base.config import SpecConfig
+from localspec.runtime.costs import CostModel
+from localspec.runtime.kv import common_prefix
+from localspec.core.tree import Draft, matched_path
+
+DECAY = 0.9
+"""How much a pass weighs in every running estimate next to the pass after it: about the last ten
+passes count, so the policy follows a conversation that changes (code, then prose)."""
+
+PRIOR_WEIGHT = 3.0
+"""How many observations a prior is worth before the first measurement."""
+
+PRIOR_ACCEPTANCE = 0.6
+"""How often a kind of guess never judged yet is believed accepted (measurements take over)."""
+
+UNMEASURED_DRAFT_LEN = 4
+"""Guesses verified per pass when no pass cost was measured (tests, a model without calibration)."""
+
+
+class Running:
+    """A ratio over recent passes: the decayed sum of amounts over the decayed sum of weights,
+    started at `prior` worth PRIOR_WEIGHT of weight (None: no value until the first `add`).
+
+    A pass that says nothing new (`rest`) moves the value back towards the prior: after a bad
+    stretch that made some guess look useless, the policy tries it again a little later instead of
+    never again.
+    """
+
+    def __init__(self, prior: float | None = None) -> None:
+        self.prior = prior
+        self.amount = 0.0 if prior is None else prior * PRIOR_WEIGHT
+        self.weight = 0.0 if prior is None else PRIOR_WEIGHT
+
+    def add(self, amount: float, weight: float) -> None:
+        self.amount = DECAY * self.amount + amount
+        self.weight = DECAY * self.weight + weight
+
+    def rest(self) -> None:
+        if self.prior is not None:
+            self.add((1 - DECAY) * self.prior * PRIOR_WEIGHT, (1 - DECAY) * PRIOR_WEIGHT)
+
+    @property
+    def value(self) -> float | None:
+        return self.amount / self.weight if self.weight > 0 else self.prior
+
+
+class Acceptance(Running):
+    """How often one kind of guess is accepted, per guess.
+
+    A pass that accepted k of g guesses saw k successes and, when k < g, one failure: the guesses
+    after the first rejected one were never judged. A pass without guesses says nothing new.
+    """
+
+    def __init__(self, prior: float = PRIOR_ACCEPTANCE) -> None:
+        super().__init__(prior)
+
+    def update(self, drafted: int, accepted: int) -> None:
+        if drafted == 0:
+            self.rest()
+        else:
+            self.add(accepted, accepted + (1 if accepted < drafted else 0))
+
+    @property
+    def rate(self) -> float:
+        return self.value
+
+
+# -- the formula -----------------------------------------------------------------------------------
+
+
+def expected_rate(costs: CostModel, tokens: float, width: int, draft_seconds: float) -> float:
+    """Expected tokens per second of a pass that commits `tokens` on average (`expected_tokens`),
+    spent `draft_seconds` drafting and verifies `width` drafted nodes together with the root."""
+    return tokens / (draft_seconds + costs.verify(width + 1))
+
+
+def expected_tokens(reach: Iterable[float]) -> float:
+    """Tokens a pass commits on average: the target's own, plus each drafted node's reach (the
+    probability that the target accepts it)."""
+    return 1.0 + sum(reach)
+
+
+def chain_tokens(acceptance: float, length: float) -> float:
+    """`expected_tokens` of a chain whose guesses are each accepted with probability `acceptance`:
+    1 + a + a^2 + ... + a^length, in closed form so that a mean length may be fractional."""
+    a = min(max(acceptance, 0.0), 1.0)
+    return length + 1.0 if a == 1.0 else (1.0 - a ** (length + 1)) / (1.0 - a)
+
+
+def chain_rate(costs: CostModel, acceptance: float, length: int, free: bool = False) -> float:
+    """`expected_rate` of a chain of `length` guesses, each costing a draft step unless `free`
+    (a lookup's guesses)."""
+    steps = 0.0 if free else length * costs.draft_step_seconds
+    return expected_rate(costs, chain_tokens(acceptance, length), length, steps)
+
+
+def best_draft_len(costs: CostModel, acceptance: float, max_len: int, free: bool = False) -> int:
+    """The chain length (0 .. max_len) with the best expected rate; the shortest of equals."""
+    return max(range(max_len + 1), key=lambda g: chain_rate(costs, acceptance, g, free))
+
+
+def best_rate(costs: CostModel, acceptance: float, max_len: int) -> float:
+    """Tokens per second expected with the best draft-model chain of at most `max_len` guesses
+    (0: plain decoding)."""
+    return chain_rate(costs, acceptance, best_draft_len(costs, acceptance, max_len))
+
+
+def draft_model_pays(costs: CostModel, acceptance: float, max_len: int) -> bool:
+    """Whether a draft model at its measured step cost beats plain decoding at this acceptance:
+    a target made fast can leave a draft too dear to be worth it."""
+    return best_draft_len(costs, acceptance, max_len) > 0
+
+
+def predicted_speedup(acceptance: float, draft_len: float, cost_ratio: float) -> float:
+    """The expected rate over plain decoding's when a verify pass costs one plain pass at any
+    width and a draft step costs `cost_ratio` of one (the textbook figure beside a measured one)."""
+    return chain_tokens(acceptance, max(draft_len, 0.0)) / (1.0 + max(draft_len, 0.0) * cost_ratio)
+
+
+# -- trees (EAGLE) ---------------------------------------------------------------------------------
+
+
+def best_node_count(costs: CostModel, reach: list[float], draft_seconds: float, limit: int) -> int:
+    """How many of a tree's candidates (`reach`, most likely first, ancestors before descendants)
+    to verify for the best expected rate, after `draft_seconds` of drafting."""
+    rates = [expected_rate(costs, tokens, n, draft_seconds) for n, tokens in enumerate(accumulate(reach[:limit], initial=1.0))]
+    return max(range(len(rates)), key=rates.__getitem__)  # the fewest nodes of equals
+
+
+def deeper_pays(costs: CostModel, reach: list[float], nodes: int, frontier: list[float], depth: int,
+                step_seconds: float, limit: int) -> bool:
+    """Whether drafting one more tree level can raise the expected rate: the tree of `nodes` best
+    candidates (of `reach`, most likely first) after `depth` steps, against one step more whose
+    level adds at most the frontier's reach (children never outscore their parent) and widens the
+    pass by the frontier."""
+    tokens = expected_tokens(reach[:nodes])
+    now = expected_rate(costs, tokens, nodes, depth * step_seconds)
+    deeper = expected_rate(costs, tokens + sum(frontier), min(nodes + len(frontier), limit), (depth + 1) * step_seconds)
+    return deeper > now
+
+
+# -- one engine's policy ---------------------------------------------------------------------------
+
+
+@dataclass
+class Proposal:
+    """What one pass verifies, and whose guesses it holds: each part is judged on its own."""
+
+    draft: Draft
+    model: Draft | None = None
+    """The model proposer's own guesses (draft model, EAGLE), when it drafted this pass."""
+    lookup: Draft | None = None
+    """Prompt lookup's guesses (a chain), judged under their label."""
+
+
+class DraftPolicy:
+    """What one engine drafts each pass, learned from the passes so far.
+
+    Acceptance is tracked per kind of guess: per lookup label (a 3-token match is far more reliable
+    than a 1-token one) and, for a chain-drafting model, per bin of its own confidence in a guess.
+    """
+
+    def __init__(self, spec: SpecConfig, costs: CostModel | None) -> None:
+        self.spec = spec
+        self.costs = costs
+        self.lookup_acceptance: dict[str, Acceptance] = defaultdict(Acceptance)
+        self.lookup_evidence: dict[str, Acceptance] = defaultdict(lambda: Acceptance(prior=0.0))
+        """Per lookup label, acceptance believed only from what was seen: skipping the model on a
+        guess is a bet, so it is made on evidence (the grafted branch gathers it for free)."""
+        self.by_confidence: dict[int, Acceptance] = {}
+        self.model_rate = Running()
+        """Tokens per second of the passes the model proposer drafted for."""
+        self.guard = SpeedGuard(costs) if costs is not None else None
+
+    @property
+    def allows(self) -> bool:
+        """False while the kill switch has speculation paused."""
+        return self.guard is None or self.guard.allows
+
+    def chain_limit(self, limit: int) -> int:
+        """Most guesses a chain may offer this pass (lookup, draft model): the fixed length, else
+        the configured maximum, within the room left."""
+        return min(limit, self.spec.draft_len or self.spec.max_draft_len)
+
+    def lookup_len(self, label: str, available: int) -> int:
+        """Tokens of a lookup guess worth verifying: fixed, or the best expected rate for the
+        acceptance seen so far under this label (a lookup's guesses cost no draft steps)."""
+        if self.spec.draft_len is not None:
+            wanted = self.spec.draft_len
+        elif self.costs is not None:
+            wanted = best_draft_len(self.costs, self.lookup_acceptance[label].rate, self.spec.max_draft_len, free=True)
+        else:
+            wanted = min(UNMEASURED_DRAFT_LEN, self.spec.max_draft_len)
+        return max(0, min(wanted, available))
+
+    def lookup_alone_pays(self, guess: Draft) -> bool:
+        """Whether verifying a lookup guess alone is expected to beat the model proposer's measured
+        rate, so this pass need not spend the model's drafting time."""
+        if self.costs is None or self.model_rate.value is None:
+            return False
+        alone = chain_rate(self.costs, self.lookup_evidence[guess.label].rate, len(guess), free=True)
+        return alone >= self.model_rate.value
+
+    def model_len(self, limit: int, builds_trees: bool) -> int:
+        """Most guesses to ask of the model proposer: a tree builder sizes its tree itself from
+        the same costs, so it is offered every node that fits."""
+        return limit if builds_trees else self.chain_limit(limit)
+
+    @property
+    def stop_rule(self) -> Callable[[list[float]], bool] | None:
+        """What a chain-drafting model asks before keeping each guess; None (a fixed length, or no
+        measured costs): draft the full length."""
+        return self.worth_another if self.spec.draft_len is None and self.costs is not None else None
+
+    def worth_another(self, confidences: list[float]) -> bool:
+        """Whether keeping the newest guess raises the expected rate of this pass, each guess's
+        acceptance read from the bin of the model's confidence in it."""
+        k = len(confidences)
+        reach = list(accumulate((self._confidence_bin(c).rate for c in confidences), mul))
+        step = self.costs.draft_step_seconds
+        without = expected_rate(self.costs, expected_tokens(reach[:-1]), k - 1, (k - 1) * step)
+        with_it = expected_rate(self.costs, expected_tokens(reach), k, k * step)
+        if with_it > without:
+            return True
+        # a refused guess is never judged: let its bin drift back to its prior, so it is tried again
+        self._confidence_bin(confidences[-1]).update(0, 0)
+        return False
+
+    def judge(self, proposal: Proposal, accepted: list[int], seconds: float) -> int | None:
+        """Learn from a verified pass that accepted `accepted` (tokens) in `seconds`; returns how
+        many of the model proposer's own guesses were accepted (None: it did not draft)."""
+        if proposal.lookup is not None:
+            right = common_prefix(proposal.lookup.tokens, accepted)
+            self.lookup_acceptance[proposal.lookup.label].update(len(proposal.lookup), right)
+            self.lookup_evidence[proposal.lookup.label].update(len(proposal.lookup), right)
+        own = proposal.model
+        if own is None:
+            return None
+        path = matched_path(own, accepted)
+        self.model_rate.add(len(accepted) + 1, seconds)
+        if own.is_chain:  # per guess: accepted ones succeeded, the first rejected one failed, later ones were never judged
+            for i, confidence in enumerate(own.confidences[: len(path) + 1]):
+                self._confidence_bin(confidence).update(1, 1 if i < len(path) else 0)
+        return len(path)
+
+    def _confidence_bin(self, confidence: float) -> Acceptance:
+        """How often guesses of about this confidence are accepted (ten bins, learned as we go).
+
+        A sibling draft is accepted more often than its own confidence says (the two models share
+        their doubts), so each bin starts halfway between its confidence and certainty, and the
+        measurements take over from there.
+        """
+        b = min(int(confidence * 10), 9)
+        if b not in self.by_confidence:
+            self.by_confidence[b] = Acceptance(prior=(1 + (b + 0.5) / 10) / 2)
+        return self.by_confidence[b]
+
+
+class SpeedGuard:
+    """The kill switch: when speculative passes measure slower than plain decoding would be (the
+    calibrated one-token pass), speculation pauses for a while, then is tried again.
+
+    The policy already drafts less as acceptance falls; this catches what it cannot see, such as a
+    draft model slowed by other work on the machine. It judges whole windows of fresh passes, not a
+    running estimate: after a pause nothing from before it should count.
+    """
+
+    def __init__(self, costs: CostModel, window: int = 16, pause: int = 16, margin: float = 0.85) -> None:
+        # plain decoding's rate is read from the same cost model the drafts are sized by, at the
+        # context the passes ran at
+        self.costs = costs
+        # a pass also pays for the loop around the forward, which the calibration leaves out: only
+        # a clear loss (below `margin` of plain decoding's rate) switches speculation off
+        self.margin = margin
+        self.window = window
+        self.pause = pause
+        self.recent: list[tuple[int, float, float]] = []  # (tokens committed, seconds, plain seconds per token) of speculative passes
+        self.paused_for = 0
+
+    @property
+    def allows(self) -> bool:
+        return self.paused_for == 0
+
+    def record(self, drafted: int, tokens: int, seconds: float) -> str:
+        """Account one pass; returns a notice when speculation is switched off, else ''."""
+        if self.paused_for:
+            self.paused_for -= 1
+            return ""
+        if drafted == 0:
+            return ""
+        self.recent = [*self.recent, (tokens, seconds, self.costs.verify(1))][-self.window :]
+        if len(self.recent) < self.window:
+            return ""
+        rate = sum(t for t, _, _ in self.recent) / sum(s for _, s, _ in self.recent)
+        plain_rate = self.margin * sum(t for t, _, _ in self.recent) / sum(t * p for t, _, p in self.recent)
+        if rate >= plain_rate:
+            return ""
+        self.recent = []
+        self.paused_for = self.pause
+        return (
+            f"speculation paused: {rate:.1f} tok/s over the last {self.window} passes, clearly below plain "
+            f"decoding; trying again in {self.pause} passes"
+        )

@@ -1,0 +1,100 @@
+"""Measured costs of a target pass per width and of a draft step, and the draft length they imply.
+
+On a CPU a verify pass of several tokens is not free (fp32) or nearly free (bf16 with AMX); on a
+GPU it is nearly free up to tens of tokens. So nothing here is a constant: a short calibration
+times real forward passes on this machine (`time_forward`; measurements.py keeps what it measured), and
+the draft policy (policy.py) sizes each pass's draft on these numbers.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from localspec.runtime import graphs
+from localspec.runtime.kv import KVCache
+from localspec.kernels.cpu_w8a8 import wait_for_packing
+
+WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16)
+CONTEXTS = (128, 1024)
+"""Cached tokens the pass costs are measured after: the row-exact attention's cost grows with the
+context, so the cost model interpolates (and extrapolates) between these."""
+CALIBRATION_PREFIX = CONTEXTS[0]
+
+
+def _interpolate(points: dict[int, float], x: float) -> float:
+    """Linear between measured points, flat below the first, the last slope (never negative) beyond."""
+    pts = sorted(points.items())
+    if len(pts) == 1 or x <= pts[0][0]:
+        return pts[0][1]
+    for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
+        if x <= x1:
+            return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    (x0, y0), (x1, y1) = pts[-2], pts[-1]
+    return y1 + max(y1 - y0, 0.0) * (x - x1) / (x1 - x0)
+
+
+@dataclass
+class CostModel:
+    verify_seconds: dict[int, float]
+    """Seconds of one target pass over `width` new tokens, at the calibrated widths (after the
+    shortest calibrated context)."""
+    draft_step_seconds: float = 0.0
+    """Seconds of one draft-model step (0 for lookups, whose cost is negligible)."""
+    by_context: dict[int, dict[int, float]] = field(default_factory=dict)
+    """The same curve at each calibrated context length (cached tokens), when measured at several."""
+    context: int = 0
+    """The context the engine's next pass runs at (it moves this as the conversation grows)."""
+
+    def verify(self, width: int) -> float:
+        """Cost of a pass of any width at `context`: linear between calibrated widths and beyond the
+        last, then between calibrated context lengths."""
+        if len(self.by_context) < 2:
+            return _interpolate(self.verify_seconds, width)
+        return _interpolate({c: _interpolate(curve, width) for c, curve in self.by_context.items()}, self.context)
+
+
+@torch.inference_mode()
+def time_forward(model: torch.nn.Module, widths: tuple[int, ...], repeats: int = 4, context: int = CALIBRATION_PREFIX) -> dict[int, float]:
+    """Best-of-`repeats` seconds of one forward over `width` new tokens after `context` cached ones,
+    with the model as it is (attention, weights, CUDA graphs where the engine replays them): the
+    pass generation runs.
+
+    Widths are measured in interleaved rounds, so a burst of other work on the machine spoils one
+    sample of each width rather than every sample of one.
+    """
+    wait_for_packing(model)
+    device = next(model.parameters()).device
+    vocab = model.config.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    prefix = torch.randint(0, vocab, (1, context), generator=gen).to(device)
+    runner = graphs.calibration_runner(model)  # on CUDA the engine's passes replay from graphs: time those
+    kv = KVCache(context + max(widths) if runner else 0)
+    model(input_ids=prefix, cache=kv.cache, use_cache=True, logits_to_keep=1)
+    best = {width: float("inf") for width in widths}
+    for round_ in range(repeats + 1):  # round 0 is a warm-up
+        for width in widths:
+            ids = torch.randint(0, vocab, (1, width), generator=gen).to(device)
+            pos = torch.arange(context, context + width, device=device)[None]
+            _sync(device)
+            start = time.perf_counter()
+            if runner is None or runner.run(kv, ids, pos, None, keep=width) is None:
+                model(input_ids=ids, position_ids=pos, cache=kv.cache, use_cache=True)
+            _sync(device)
+            if round_:
+                best[width] = min(best[width], time.perf_counter() - start)
+            kv.truncate(context)
+    return best
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
+
+
+def cost_model(curves: dict[int, dict[int, float]], draft_step_seconds: float = 0.0) -> CostModel:
+    return CostModel(curves[min(curves)], draft_step_seconds, dict(curves))

@@ -1,0 +1,161 @@
+"""The target's decode and verify passes written out as one plain function (gpt-fast style).
+
+transformers' forward of a Llama-family model does per layer what one pass needs once or not at
+all: keyword plumbing through four levels of modules, output records, mask construction, the
+attention interface lookup. On the 2-core VM with the bandwidth-bound w4a8 kernel, leaving that
+out took a one-token pass of the 1.5B model from 78 to 71 ms (about 1 ms of a 16-token pass); the
+small torch ops that remain (norms, rotary, SiLU) are ~5 ms of a one-token pass.
+
+`lean_forward` computes the same layers with the same modules (so quantized linears, the
+embedding's float32 hook and the norms' hooks, which EAGLE's feature taps use, all run as before)
+and the same row-exact attention, for the passes generation makes many of: batch 1, at most
+`ROW_BY_ROW_UP_TO` new tokens. Every other call (a long prefill, padding masks, another
+architecture, hidden-state outputs) takes transformers' own forward, which is also the reference
+the tests compare against.
+
+On CUDA (with Triton) a pass reads where its rows stand from a `RowTable` on the device, built once
+per pass: the new keys and values go to the cache at the table's slots and one Triton launch per
+layer computes every row's attention, so the pass has fixed shapes and addresses and
+localspec/graphs.py can capture it as a CUDA graph (giving it a table of its own, copied into).
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+
+import torch
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from localspec.runtime.attention import (
+    NAME as EXACT_ATTENTION,
+    ROW_BY_ROW_UP_TO,
+    RowPlan,
+    RowTable,
+    exact_attention,
+    rows_on_device,
+    table_attention,
+    use_exact_attention,
+)
+from localspec.runtime.kv import extend_to
+
+LEAN_KWARGS = {"input_ids", "position_ids", "attention_mask", "cache", "past_key_values", "use_cache", "logits_to_keep",
+               "row_plan"}
+"""Keyword arguments the lean pass understands; a call with any other takes transformers' forward."""
+
+
+def unsupported_reason(model: torch.nn.Module) -> str | None:
+    """Why `lean_forward` cannot run this model (None: it can). A structural check: the layers
+    must be the plain pre-norm Llama block (q/k/v/o projections, RoPE, full attention; the MLP is
+    called as the module it is)."""
+    base = getattr(model, "model", None)
+    if base is None or not hasattr(model, "lm_head") or not hasattr(base, "layers") or not hasattr(base, "rotary_emb"):
+        return f"{type(model).__name__} is not a decoder with model.layers, rotary_emb and lm_head"
+    config = model.config
+    layer_types = getattr(config, "layer_types", None)
+    if any(kind != "full_attention" for kind in layer_types or ()) or (
+            layer_types is None and getattr(config, "sliding_window", None) is not None):
+        return "layers with sliding-window attention"
+    for layer in base.layers:
+        attention, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        parts = [attention, mlp, getattr(layer, "input_layernorm", None), getattr(layer, "post_attention_layernorm", None)]
+        if any(part is None for part in parts):
+            return f"{type(layer).__name__} is not a pre-norm attention + MLP block"
+        if not all(hasattr(attention, name) for name in ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling")):
+            return f"{type(attention).__name__} has no plain q/k/v/o projections"
+        if not hasattr(sys.modules[type(attention).__module__], "apply_rotary_pos_emb"):
+            return f"{type(attention).__name__}'s module has no apply_rotary_pos_emb"
+        if hasattr(attention, "q_norm") or hasattr(attention, "k_norm"):
+            return f"{type(attention).__name__} normalises queries and keys"
+    return None
+
+
+def use_exact_pass(model: torch.nn.Module) -> None:
+    """The model as generation runs it (idempotent): row-exact attention, so a verify pass computes
+    each row as plain decoding would, and its short passes through `lean_forward` where supported."""
+    use_exact_attention(model)
+    use_lean_forward(model)
+
+
+def use_lean_forward(model: torch.nn.Module) -> bool:
+    """Route the model's generation passes through `lean_forward` (idempotent). Returns whether it
+    does: only for supported models on the row-exact attention."""
+    if getattr(model, "_lean_forward", False):
+        return True
+    if unsupported_reason(model) is not None or model.config._attn_implementation != EXACT_ATTENTION:
+        return False
+    reference = model.forward
+
+    @functools.wraps(reference)
+    def forward(*args, **kwargs):
+        if not args and lean_call(kwargs):
+            return CausalLMOutputWithPast(logits=lean_forward(model, **kwargs))
+        return reference(*args, **kwargs)
+
+    model.forward, model._lean_forward = forward, True
+    return True
+
+
+def lean_call(kwargs: dict) -> bool:
+    """Whether a forward call with these arguments is one the lean pass computes exactly as transformers would."""
+    ids, mask = kwargs.get("input_ids"), kwargs.get("attention_mask")
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    return (
+        kwargs.keys() <= LEAN_KWARGS
+        and ids is not None and ids.dim() == 2 and ids.shape[0] == 1 and ids.shape[1] <= ROW_BY_ROW_UP_TO
+        and cache is not None and kwargs.get("use_cache", True)
+        and (mask is None or mask.dim() == 4)  # a tree's (1, 1, T, S) mask; padding masks go to transformers
+    )
+
+
+def lean_forward(model: torch.nn.Module, input_ids: torch.Tensor, cache=None, past_key_values=None,
+                 position_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
+                 logits_to_keep: int = 0, row_plan: RowPlan | None = None, use_cache: bool = True,
+                 table: RowTable | None = None) -> torch.Tensor:
+    """input_ids (1, T) new tokens after the cache's entries -> logits (1, keep or T, V).
+
+    position_ids (1, T) default to the positions after the cache; attention_mask (1, 1, T, S) bool
+    or additive, only for tree passes, read once here (a `row_plan` from the engine saves even that).
+    `table`: the rows' places on the device, given by a caller that moves the cache's lengths
+    itself (a CUDA graph); on CUDA one is built here otherwise."""
+    cache = cache if cache is not None else past_key_values
+    base = model.model
+    t = input_ids.shape[1]
+    past = cache.get_seq_length()
+    if position_ids is None:
+        position_ids = torch.arange(past, past + t, device=input_ids.device)[None]  # (1, T)
+    if row_plan is None and attention_mask is not None:
+        row_plan = RowPlan.from_mask(attention_mask[0, 0])
+    built = table is None and rows_on_device(input_ids.device)
+    if built:
+        table = RowTable.build(past, t, row_plan, input_ids.device)
+    hidden = base.embed_tokens(input_ids)  # (1, T, Hd)
+    cos, sin = base.rotary_emb(hidden, position_ids)  # (1, T, D) each
+    for index, layer in enumerate(base.layers):
+        hidden = hidden + _attention(layer.self_attn, layer.input_layernorm(hidden), cos, sin, cache, index, row_plan,
+                                     table, past + t)
+        hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))  # (1, T, Hd)
+    if built:
+        extend_to(cache, past + t)
+    hidden = base.norm(hidden)  # (1, T, Hd)
+    kept = hidden[:, -logits_to_keep:] if logits_to_keep else hidden  # (1, keep, Hd)
+    return model.lm_head(kept)  # (1, keep, V)
+
+
+def _attention(attention, normed: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache, index: int,
+               row_plan: RowPlan | None, table: RowTable | None, end: int) -> torch.Tensor:
+    """One layer's attention block: normed (1, T, Hd) -> (1, T, Hd), the new keys/values written to
+    the cache (at the table's slots, below `end`, when there is a table)."""
+    t, d = normed.shape[1], attention.head_dim
+    query = attention.q_proj(normed).view(1, t, -1, d).transpose(1, 2)  # (1, H, T, D)
+    key = attention.k_proj(normed).view(1, t, -1, d).transpose(1, 2)  # (1, Hkv, T, D)
+    value = attention.v_proj(normed).view(1, t, -1, d).transpose(1, 2)  # (1, Hkv, T, D)
+    # the model's own rotary function, the one its transformers forward applies
+    query, key = sys.modules[type(attention).__module__].apply_rotary_pos_emb(query, key, cos, sin)
+    if table is not None:
+        keys, values = cache.update(key, value, index, slots=table.slots, end=end)  # (1, Hkv, capacity, D) buffers
+        out = table_attention(query, keys, values, table, attention.scaling)
+    else:
+        keys, values = cache.update(key, value, index)  # (1, Hkv, S, D) views of the cache
+        out, _ = exact_attention(attention, query, keys, values, None, scaling=attention.scaling, row_plan=row_plan)
+    return attention.o_proj(out.reshape(1, t, -1))  # out (1, T, H, D) -> (1, T, Hd)

