@@ -4,6 +4,7 @@
 yields events), `policy` (every draft-size decision, from acceptance and measured costs),
 `proposers/` (n-gram lookup, draft model, EAGLE head), `tree` (drafts as chains or trees, verify
 inputs), `verify` (greedy and lossless rejection sampling), `sampling` (logits to probabilities,
-seeded draws), `stats` (one generation's counters and derived figures). Imports base, kernels and
-runtime; never the store (registry, files, downloads) or an app.
+seeded draws), `prompt` (chat templating, the checks a prompt must pass), `stats` (one
+generation's counters and derived figures). Imports base, kernels and runtime; never the store
+(registry, files, downloads) or an app.
 """
