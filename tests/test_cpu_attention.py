@@ -3,23 +3,52 @@ odd head sizes, and a row computed alone equal bit for bit to the same row among
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from localspec.base.config import home_dir
 from localspec.kernels import cpu_attention
-from localspec.kernels.cpu_build import KernelUnavailable
+from localspec.kernels.cpu_build import KernelUnavailable, compiler
 
 
-def kernel_or_none():
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags as Linux reports them (empty elsewhere): read apart from the
+    kernel's own check, so a kernel that wrongly refuses a capable CPU is seen."""
     try:
-        return cpu_attention.load(home_dir() / "kernels")
-    except KernelUnavailable:
-        return None
+        with open("/proc/cpuinfo") as info:
+            return next((set(line.split(":", 1)[1].split()) for line in info if line.startswith("flags")), set())
+    except OSError:
+        return set()
 
 
-KERNEL = kernel_or_none()
-pytestmark = pytest.mark.skipif(KERNEL is None, reason="the attention kernel cannot be built or run here")
+MUST_BUILD = os.uname().machine in ("x86_64", "AMD64") and compiler() is not None and {"avx512f", "fma"} <= cpu_flags()
+"""An x86 CPU with AVX-512F and FMA and a C++ compiler: here the kernel has no reason not to run."""
+
+
+def kernel_or_reason():
+    try:
+        return cpu_attention.load(home_dir() / "kernels"), None
+    except KernelUnavailable as exc:
+        return None, str(exc)
+
+
+KERNEL, WHY_NOT = kernel_or_reason()
+needs_kernel = pytest.mark.skipif(KERNEL is None, reason=f"the attention kernel cannot run here: {WHY_NOT}")
+
+
+def test_the_kernel_builds_and_runs_where_the_cpu_and_a_compiler_allow():
+    if not MUST_BUILD:
+        pytest.skip("no x86 CPU with AVX-512F and FMA, or no C++ compiler: the torch loop computes the rows")
+    assert KERNEL is not None, WHY_NOT  # a compile error, a library that does not load, a wrong CPU check
+
+
+def test_a_failed_build_says_why_and_leaves_nothing_behind(monkeypatch, tmp_path):
+    monkeypatch.setenv("CXX", "false")  # a compiler that runs and fails
+    with pytest.raises(KernelUnavailable, match="building the attention kernel with .*false failed"):
+        cpu_attention.load(tmp_path)
+    assert not list(tmp_path.iterdir())
 
 
 def cache_views(kv_heads: int, d: int, s: int, seed: int):
@@ -29,6 +58,7 @@ def cache_views(kv_heads: int, d: int, s: int, seed: int):
     return buffers[0][:, :, :s], buffers[1][:, :, :s]
 
 
+@needs_kernel
 @pytest.mark.parametrize("heads, kv_heads, d", [(12, 2, 128), (4, 2, 12), (3, 1, 20), (2, 2, 64), (8, 8, 256), (2, 1, 300)])
 @pytest.mark.parametrize("s, t", [(1, 1), (40, 1), (300, 16), (23, 7)])
 def test_causal_rows_match_reference_and_each_row_alone(heads, kv_heads, d, s, t):
@@ -44,6 +74,7 @@ def test_causal_rows_match_reference_and_each_row_alone(heads, kv_heads, d, s, t
         assert torch.equal(alone[:, 0], got[:, i]), i
 
 
+@needs_kernel
 def test_tree_rows_see_the_past_and_their_own_ancestors_only():
     heads, kv_heads, d, past = 6, 2, 32, 50
     parents = [-1, 0, 0, 1, 3, 2]  # node i's parent (-1: the root token at slot past)
@@ -69,6 +100,7 @@ def test_tree_rows_see_the_past_and_their_own_ancestors_only():
         assert torch.equal(again[:, i], got[:, i]) == (past + 2 not in seen), i
 
 
+@needs_kernel
 def test_wrong_layouts_are_refused():
     key, value = cache_views(2, 16, 8, seed=0)
     query = torch.randn(1, 4, 1, 16)
@@ -78,6 +110,7 @@ def test_wrong_layouts_are_refused():
         KERNEL(query, torch.randn(1, 2, 8, 32)[..., :16], value, cpu_attention.VisibleRows.causal(1, 8), 0.25)
 
 
+@needs_kernel
 def test_a_model_with_the_kernel_and_with_the_torch_loop_agree_and_each_keeps_greedy_identity(monkeypatch):
     from conftest import PROMPT_IDS, hf_greedy, tiny_model
     from localspec.runtime import attention
