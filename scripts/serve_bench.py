@@ -22,7 +22,8 @@ import uvicorn
 
 from localspec.apps.bench import load_prompts
 from localspec.base.config import GenerationLimits, SamplingConfig, SpecConfig
-from localspec.apps.server import Served, create_app, listen
+from localspec.apps.serve.app import create_app, listen
+from localspec.apps.serve.turns import Served
 from localspec.store.session import open_session
 
 

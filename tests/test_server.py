@@ -21,7 +21,9 @@ from localspec.base.config import GenerationLimits, SamplingConfig, SpecConfig
 from localspec.core.engine import Engine
 from localspec.base.errors import LocalspecError
 from localspec.core.proposers import NgramProposer
-from localspec.apps.server import ServeConfig, Served, create_app, listen
+from localspec.apps.serve.app import create_app, listen
+from localspec.apps.serve.config import ServeConfig
+from localspec.apps.serve.turns import Served
 
 GREEDY = SamplingConfig(temperature=0.0)
 HELLO = [{"role": "user", "content": "abcdabcdabcd say abcd"}]

@@ -290,7 +290,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from localspec.apps.server import ServeConfig, serve, session_loader
+    from localspec.apps.serve.app import serve, session_loader
+    from localspec.apps.serve.config import ServeConfig
 
     config = ServeConfig(host=args.host, port=args.port, api_key=args.api_key or os.environ.get("LOCALSPEC_API_KEY") or None,
                          insecure=args.insecure, cors=tuple(args.cors), queue=args.queue)
