@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import modeling_gguf_pytorch_utils
 
 from localspec.base.errors import LocalspecError
 from localspec.store import loading
@@ -183,8 +184,13 @@ def _logits(loaded: LoadedModel, text: str) -> torch.Tensor:
         return loaded.model(ids).logits.float().cpu()
 
 
+def files_of(folder: Path) -> dict[Path, tuple[int, int]]:
+    """Every file under `folder` with its inode and modification time: what a rewrite changes."""
+    return {p: (p.stat().st_ino, p.stat().st_mtime_ns) for p in folder.rglob("*") if p.is_file()}
+
+
 @pytest.mark.real_model
-def test_smollm2_cold_then_warm_load_gives_identical_logits() -> None:
+def test_smollm2_cold_then_warm_load_gives_identical_logits(monkeypatch: pytest.MonkeyPatch) -> None:
     # The default home dir on purpose: the 100 MB download and the conversion are shared with
     # other tests and later runs.
     entry = load_registry().get("smollm2-135m")
@@ -192,11 +198,18 @@ def test_smollm2_cold_then_warm_load_gives_identical_logits() -> None:
 
     first = load_model(entry, torch.float32, progress=False)
     first_logits = _logits(first, prompt)
+    (copy,) = first.cache_files
+    before = files_of(copy)
     del first
 
+    # warm: the converted copy is read as it is; nothing parses the GGUF, nothing is written
+    def no_gguf(*args, **kwargs):
+        raise AssertionError("a warm load parsed the GGUF")
+
+    monkeypatch.setattr(modeling_gguf_pytorch_utils, "load_gguf_checkpoint", no_gguf)
     second = load_model(entry, torch.float32, progress=False)
-    assert second.cold is False
-    assert second.load_seconds < 15
+    assert second.cold is False and second.cache_files == (copy,) and second.load_seconds > 0
+    assert files_of(copy) == before
     assert torch.equal(_logits(second, prompt), first_logits)
 
     assert second.name == "smollm2-135m"
