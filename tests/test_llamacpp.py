@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import stat
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -266,8 +267,14 @@ def test_measured_run_reports_this_childs_peak_memory():
     assert run.peak_rss_mb is not None and 200 <= run.peak_rss_mb < 300
     small = measured_run([sys.executable, "-c", "pass"], "probe")
     assert small.peak_rss_mb < 100  # ... which the child's count must not start from
-    assert 0 < run.seconds < 30
     del ballast
+
+
+def test_measured_run_times_the_program_within_the_call():
+    start = time.perf_counter()
+    run = measured_run([sys.executable, "-c", "import time; time.sleep(0.3)"], "probe")
+    # the program's run holds its sleep and lies inside the call (monotonic clocks, nested spans)
+    assert 0.3 <= run.seconds <= time.perf_counter() - start
 
 
 def test_a_program_that_cannot_start(tmp_path):
