@@ -24,6 +24,7 @@ from localspec.store import proposer_catalog
 from localspec.base.config import GenerationLimits, SamplingConfig, SpecConfig
 from localspec.runtime.costs import CALIBRATION_PREFIX, time_forward
 from localspec.base.errors import LocalspecError
+from localspec.core.stats import GenerationStats
 from localspec.apps.llamacpp import LlamaCpp, measured_run, ratios
 from localspec.store.loading import ensure_gguf, load_tokenizer
 from localspec.store.proposer_catalog import choose_proposer
@@ -77,11 +78,19 @@ def peak_memory_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale / 2**20
 
 
+def localspec_answer(engine, prompt: str, max_new: int) -> tuple[list[int], GenerationStats]:
+    """One greedy answer: its token ids and its statistics, from its events."""
+    tokens, stats = [], GenerationStats()
+    for event in engine.generate(prompt, SamplingConfig(), GenerationLimits(max_new)):
+        stats = event.fold(stats)
+        tokens += [p.token_id for p in event.pieces]
+    return tokens, stats
+
+
 def run_localspec(engine, prompt: str, max_new: int) -> dict:
     start = time.perf_counter()
-    tokens = [p.token_id for ev in engine.generate(prompt, SamplingConfig(), GenerationLimits(max_new)) for p in ev.pieces]
+    tokens, stats = localspec_answer(engine, prompt, max_new)
     seconds = time.perf_counter() - start
-    stats = engine.stats
     return {
         "tokens": len(tokens), "seconds": seconds, "tokens_per_second": len(tokens) / seconds,
         "decode_tokens_per_second": stats.decode_tokens_per_second, "acceptance_rate": stats.acceptance_rate,

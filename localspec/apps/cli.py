@@ -161,23 +161,24 @@ def cmd_run(args: argparse.Namespace) -> int:
     if not prompt.strip():
         raise LocalspecError("the prompt is empty")
 
+    from localspec.core.stats import GenerationStats
     from localspec.store.measurements import record_generation
     from localspec.store.session import describe_weights, open_session
 
     session = open_session(args.model, args.proposer, args.dtype, spec, quiet=args.quiet or args.json)
     if not (args.quiet or args.json):
         print(f"localspec: {session.proposer} proposer: {session.reason}; dtype: {session.dtype_reason}", file=sys.stderr)
-    engine = session.engine
     text = []
+    stats = GenerationStats()
     try:
-        for event in engine.generate(prompt, sampling, limits, system=args.system):
+        for event in session.engine.generate(prompt, sampling, limits, system=args.system):
+            stats = event.fold(stats)
             text.append(event.text)
             if not args.json:
                 sys.stdout.write(event.text)
                 sys.stdout.flush()
     except KeyboardInterrupt:
-        engine.stats.stop_reason = "interrupted"
-    stats = engine.stats
+        stats.stop_reason = "interrupted"
     record_generation(session.entry.name, session.proposer, stats, session.draft.name if session.draft else None)
     if args.json:
         print(json.dumps({

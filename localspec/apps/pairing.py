@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from localspec.store import hub, loading, proposer_catalog
-from localspec.apps.bench import load_prompts, machine_info, run_localspec
+from localspec.apps.bench import load_prompts, localspec_answer, machine_info
 from localspec.base.config import SpecConfig
 from localspec.base.errors import LocalspecError
 from localspec.base.files import locked, write_text_atomic
@@ -137,12 +137,11 @@ def _pick_target(registry: Registry, target: str | None, memory: int, say, ask) 
 
 def _measure(engine, model: str, proposer: str, draft: ModelEntry | None, prompts, max_new: int, spec, say) -> Candidate:
     draft_name = draft.name if draft else None
-    run_localspec(engine, prompts[0]["prompt"], 8)  # warm-up, excluded
+    localspec_answer(engine, prompts[0]["prompt"], 8)  # warm-up, excluded
     tokens = seconds = drafted = accepted = 0
     for prompt in prompts:
         engine.forget()  # each prompt from scratch, as in the benchmark
-        run_localspec(engine, prompt["prompt"], max_new)
-        stats = engine.stats
+        _, stats = localspec_answer(engine, prompt["prompt"], max_new)
         record_generation(model, proposer, stats, draft_name)
         tokens += max(stats.new_tokens - 1, 0)
         seconds += stats.decode_seconds

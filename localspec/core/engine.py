@@ -19,13 +19,13 @@ from localspec.runtime.costs import CostModel
 from localspec.runtime.decoder import use_exact_pass
 from localspec.base.errors import LocalspecError, is_out_of_memory
 from localspec.runtime.graphs import GraphRunner, capacity
-from localspec.runtime.kv import CachedTokens, KVCache
+from localspec.runtime.kv import CachedTokens, KVCache, common_prefix
 from localspec.core.policy import DraftPolicy, Proposal
 from localspec.core.proposers.base import Proposer
 from localspec.core.proposers.ngram import NgramProposer
 from localspec.runtime.quant import prompt_pass
 from localspec.core.sampling import make_generator
-from localspec.core.stats import GenerationStats
+from localspec.core.stats import GenerationStats, Opening, PassFigures
 from localspec.core.tree import Draft, graft, verify_inputs, visible_rows
 from localspec.core.verify import verify
 
@@ -43,13 +43,30 @@ class Piece:
 
 @dataclass
 class TokenEvent:
-    """Tokens committed by one target pass, with their text (possibly empty mid-character)."""
+    """One target pass: the tokens it committed, with their text (possibly empty mid-character),
+    and its figures (drafted, accepted and whose, seconds; the first pass's also the opening)."""
 
     pieces: list[Piece] = field(default_factory=list)
+    figures: PassFigures = PassFigures()
 
     @property
     def text(self) -> str:
         return "".join(p.text for p in self.pieces)
+
+    def fold(self, so_far: GenerationStats) -> GenerationStats:
+        """The answer's statistics up to this event, from those up to the one before (updated)."""
+        so_far.add(self.figures)
+        return so_far
+
+
+@dataclass
+class FinalEvent(TokenEvent):
+    """The last pass's event, which also carries the generation's finished statistics."""
+
+    stats: GenerationStats = field(default_factory=GenerationStats)
+
+    def fold(self, so_far: GenerationStats) -> GenerationStats:
+        return self.stats
 
 
 class Detokenizer:
@@ -328,8 +345,8 @@ class Engine:
     ) -> Iterator[TokenEvent]:
         """Stream the answer: one TokenEvent per target pass (its pieces may be empty while a stop
         string or an unfinished character holds text back), so a consumer (the server on a
-        disconnect, the chat's stop key) can stop between any two passes; self.stats is updated
-        after every pass and final when this ends."""
+        disconnect, the chat's stop key) can stop between any two passes. Each event carries its
+        pass's figures, the last one (a FinalEvent) the finished statistics."""
         if isinstance(prompt, str) and not prompt.strip():
             raise LocalspecError("the prompt is empty")
         tokens = list(prompt) if prompt and isinstance(prompt[0], int) else self.encode(prompt, system)
@@ -342,7 +359,8 @@ class Engine:
             )
         generator = make_generator(sampling.seed, self.device)
         stats = self.stats = GenerationStats(
-            proposer=self.proposer_name, reason=self.proposer_reason, prompt_tokens=len(tokens)
+            proposer=self.proposer_name, reason=self.proposer_reason, prompt_tokens=len(tokens),
+            cached_tokens=common_prefix(self.kv_tokens.ids, tokens[:-1]),  # what the prefill will keep
         )
         budget = min(limits.max_new_tokens, self.context_len - len(tokens))
         detok = Detokenizer(self.tokenizer, tokens) if self.tokenizer is not None else None
@@ -352,16 +370,15 @@ class Engine:
         started = time.perf_counter()
         self._prefill(tokens)
         stats.prefill_seconds = time.perf_counter() - started
-        first_at = None
-        plain_seconds = 0.0  # what plain decoding's passes would have cost for the tokens so far
+        opening = Opening(stats.proposer, stats.reason, stats.prompt_tokens, stats.cached_tokens, stats.prefill_seconds)
+        noticed = 0  # notices already on an event (one raised in the prefill goes on the first)
         while True:
+            before, produced_before = stats.counted(), produced  # the step counts into stats
             accepted, next_token = self._speculative_step(tokens, budget - produced, sampling, generator)
-            if self.costs is not None:
-                plain_seconds += (len(accepted) + 1) * self.costs.verify(1)
-                stats.plain_token_seconds = plain_seconds / (stats.passes + stats.accepted)
+            plain = (len(accepted) + 1) * self.costs.verify(1) if self.costs is not None else 0.0
 
             new = [(token, True) for token in accepted] + [(next_token, False)]
-            event = TokenEvent()
+            pieces: list[Piece] = []
             stop = ""
             for token, from_draft in new:
                 if token in self.eos:
@@ -369,7 +386,7 @@ class Engine:
                     break
                 tokens.append(token)
                 produced += 1
-                event.pieces += scanner.push(Piece(detok.push(token) if detok else "", token, from_draft))
+                pieces += scanner.push(Piece(detok.push(token) if detok else "", token, from_draft))
                 if scanner.stopped:
                     stop = "stop string"
                     break
@@ -377,17 +394,18 @@ class Engine:
                     stop = "max tokens" if produced >= limits.max_new_tokens else "context limit"
                     break
             if stop and not scanner.stopped:
-                event.pieces += scanner.flush()
+                pieces += scanner.flush()
             # Tokens after a stop never happened; the cache entries past them are dropped by the
             # next prefill, which keeps only the prefix that matches the next prompt.
-            stats.new_tokens = produced
-            now = time.perf_counter()
-            if first_at is None and produced:
-                first_at = now
-                stats.ttft_seconds = now - started
-            if first_at is not None:
-                stats.decode_seconds = now - first_at
-            yield event  # every pass, even one whose text is held back: a consumer can stop between any two
+            figures = stats.counted().since(
+                before, tokens=produced - produced_before, plain_seconds=plain, elapsed=time.perf_counter() - started,
+                notices=tuple(stats.notices[noticed:]), opening=opening,
+            )
+            opening, noticed = None, len(stats.notices)
+            stats.advance(figures)
             if stop:
                 stats.stop_reason = stop
+                yield FinalEvent(pieces, figures, stats)
                 return
+            # every pass, even one whose text is held back: a consumer can stop between any two
+            yield TokenEvent(pieces, figures)

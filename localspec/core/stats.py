@@ -1,7 +1,11 @@
 """Counters for one generation and the figures derived from them.
 
-A plain object, updated by the engine once per target pass; the CLI, the UI and the benchmark read
-it. The formula speedup beside the measured one is the draft policy's (`policy.predicted_speedup`).
+The engine counts a generation in a `GenerationStats` and hands its numbers out in its events:
+each pass's event carries that pass's `PassFigures` (the first also the `Opening`), the last one
+the finished `GenerationStats`. A consumer that needs the totals before the end (a live panel, an
+answer stopped early) folds the figures with `GenerationStats.add`, which reaches what the engine
+counted; no consumer reads the engine's attributes. The formula speedup beside the measured one is
+the draft policy's (`policy.predicted_speedup`).
 """
 
 from __future__ import annotations
@@ -11,11 +15,60 @@ from dataclasses import dataclass, field
 from localspec.core.policy import predicted_speedup
 
 
+@dataclass(frozen=True, slots=True)
+class Opening:
+    """What a generation starts from, known once its prompt is in the cache."""
+
+    proposer: str
+    reason: str
+    prompt_tokens: int
+    cached_tokens: int
+    """Prompt tokens the cache already held from the previous generation, so were not prefilled."""
+    prefill_seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class PassFigures:
+    """One target pass's share of a generation's numbers."""
+
+    drafted: int = 0
+    accepted: int = 0
+    lookup_accepted: int = 0
+    """Of the accepted guesses, those only prompt lookup had made (beside a model proposer);
+    the rest are the proposer's own."""
+    lookup_passes: int = 0
+    """1 when the pass verified prompt lookup's guess alone, without the model proposer."""
+    draft_steps: int = 0
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    tokens: int = 0
+    """Tokens the pass added to the answer: accepted + 1, fewer where the answer stopped."""
+    plain_seconds: float = 0.0
+    """What plain decoding's passes would have cost for the pass's accepted + 1 tokens (calibrated)."""
+    elapsed: float = 0.0
+    """Seconds from the start of the generation (prefill included) to the end of this pass."""
+    notices: tuple[str, ...] = ()
+    """Notices the pass raised."""
+    opening: Opening | None = None
+    """On the first pass's figures only."""
+
+    def since(self, before: PassFigures, **rest) -> PassFigures:
+        """Counted totals less those `before` a pass: that pass's counters, with its other figures."""
+        return PassFigures(
+            self.drafted - before.drafted, self.accepted - before.accepted,
+            self.lookup_accepted - before.lookup_accepted, self.lookup_passes - before.lookup_passes,
+            self.draft_steps - before.draft_steps, self.draft_seconds - before.draft_seconds,
+            self.verify_seconds - before.verify_seconds, **rest,
+        )
+
+
 @dataclass
 class GenerationStats:
     proposer: str = "none"
     reason: str = ""
     prompt_tokens: int = 0
+    cached_tokens: int = 0
+    """Prompt tokens the cache already held from the previous generation (not prefilled)."""
     new_tokens: int = 0
     passes: int = 0
     """Target forward passes after the prefill (each commits accepted + 1 tokens)."""
@@ -39,6 +92,8 @@ class GenerationStats:
     ttft_seconds: float = 0.0
     decode_seconds: float = 0.0
     """From the first emitted token to the last."""
+    plain_seconds: float = 0.0
+    """What plain decoding's passes would have cost for the tokens so far (calibrated)."""
     plain_token_seconds: float = 0.0
     """Calibrated cost of one plain one-token target pass, for the measured-speedup figure."""
     stop_reason: str = ""
@@ -61,6 +116,35 @@ class GenerationStats:
             self.drafted_at[i] += 1
         for i in range(accepted):
             self.accepted_at[i] += 1
+
+    def counted(self) -> PassFigures:
+        """The counters the passes have added up so far, as figures (a pass's share is their
+        difference across it)."""
+        return PassFigures(self.drafted, self.accepted, self.lookup_accepted, self.lookup_passes,
+                           self.draft_steps, self.draft_seconds, self.verify_seconds)
+
+    def advance(self, figures: PassFigures) -> None:
+        """The answer's side of a pass: its tokens, their plain-decoding cost and the clock."""
+        if figures.tokens and not self.new_tokens:  # this pass gave the answer its first token
+            self.ttft_seconds = figures.elapsed
+        self.new_tokens += figures.tokens
+        if self.new_tokens:
+            self.decode_seconds = figures.elapsed - self.ttft_seconds
+        if figures.plain_seconds:
+            self.plain_seconds += figures.plain_seconds
+            self.plain_token_seconds = self.plain_seconds / (self.passes + self.accepted)
+
+    def add(self, figures: PassFigures) -> None:
+        """Fold one pass's figures in, as the engine counted them."""
+        if (opening := figures.opening) is not None:
+            self.proposer, self.reason, self.prompt_tokens = opening.proposer, opening.reason, opening.prompt_tokens
+            self.cached_tokens, self.prefill_seconds = opening.cached_tokens, opening.prefill_seconds
+        self.record_pass(figures.drafted, figures.accepted, figures.draft_seconds, figures.verify_seconds)
+        self.lookup_accepted += figures.lookup_accepted
+        self.lookup_passes += figures.lookup_passes
+        self.draft_steps += figures.draft_steps
+        self.notices += figures.notices
+        self.advance(figures)
 
     @property
     def acceptance_rate(self) -> float:

@@ -38,9 +38,7 @@ class ChatSettings:
 
 
 class ChatEngine(Protocol):
-    """The part of localspec.core.engine.Engine the chat uses."""
-
-    stats: object  # a localspec.core.stats.GenerationStats, updated after every target pass
+    """The part of localspec.core.engine.Engine the chat uses: its events carry the numbers."""
 
     def generate(self, prompt, sampling, limits, system=None): ...
 

@@ -123,7 +123,7 @@ class ChatScreen(Screen):
     async def show_batch(self, batch: Batch) -> None:
         view = self.answer_view
         await view.append("".join(p.text for p in batch.pieces))
-        self.query_one(StatsPanel).show(batch.stats, batch.tokens_per_pass, batch.progress)
+        self.query_one(StatsPanel).show(batch.figures, batch.stats)
         if batch.notice:
             self.notify(batch.notice, title="history", severity="warning", timeout=10, markup=False)
         if batch.done:

@@ -1,5 +1,7 @@
-"""A scripted engine for tests, snapshots and the tmux check: real TokenEvents and
-GenerationStats, no torch, and a simulated clock so the statistics are the same on every run."""
+"""A scripted engine for tests, snapshots and the tmux check: real TokenEvents (their figures, the
+last one's GenerationStats), no torch, and a simulated clock so the statistics are the same on
+every run. It keeps no statistics of its own to read: a consumer that looks anywhere but the
+events fails."""
 
 from __future__ import annotations
 
@@ -8,9 +10,9 @@ import time
 from collections.abc import Callable, Iterator
 
 from localspec.base.config import GenerationLimits, SamplingConfig
-from localspec.core.engine import Piece, TokenEvent
+from localspec.core.engine import FinalEvent, Piece, TokenEvent
 from localspec.store.registry import Registry, load_registry
-from localspec.core.stats import GenerationStats
+from localspec.core.stats import GenerationStats, Opening, PassFigures
 from localspec.apps.tui.backend import ChatSettings, Loaded, memory_in_use
 
 ANSWER = """Here is a function that reverses a string:
@@ -42,32 +44,38 @@ class FakeEngine:
         self.reason = reason
         self.draft_len = 0 if proposer == "none" else (draft_len if draft_len is not None else 4)
         self.delay = delay
-        self.stats = GenerationStats(proposer=proposer, reason=reason)
 
     def generate(
         self, prompt: list[dict], sampling: SamplingConfig = SamplingConfig(),
         limits: GenerationLimits = GenerationLimits(), system: str | None = None,
     ) -> Iterator[TokenEvent]:
-        stats = self.stats = GenerationStats(proposer=self.proposer, reason=self.reason)
-        stats.prompt_tokens = sum(len(words(m["content"])) for m in prompt)
-        stats.plain_token_seconds = PASS_SECONDS
+        prompt_tokens = sum(len(words(m["content"])) for m in prompt)
+        opening: Opening | None = Opening(self.proposer, self.reason, prompt_tokens, 0, 0.0)
+        stats = GenerationStats()
+        draft_seconds = self.draft_len * PASS_SECONDS / 10
         tokens = words(ANSWER)[: limits.max_new_tokens]
         produced = 0
         while produced < len(tokens):
             time.sleep(self.delay)
             # a fixed pattern of partial and full acceptances, so every statistic has something to show
             accepted = min((stats.passes * 3) % (self.draft_len + 1), len(tokens) - produced - 1)
-            stats.record_pass(self.draft_len, accepted, self.draft_len * PASS_SECONDS / 10, PASS_SECONDS)
             pieces = [
                 Piece(text, produced + i, from_draft=i < accepted)
                 for i, text in enumerate(tokens[produced : produced + accepted + 1])
             ]
             produced += len(pieces)
-            stats.new_tokens = produced
-            stats.ttft_seconds = PASS_SECONDS
-            stats.decode_seconds = (stats.passes - 1) * (PASS_SECONDS + self.draft_len * PASS_SECONDS / 10)
-            yield TokenEvent(pieces)
-        stats.stop_reason = "eos" if produced == len(words(ANSWER)) else "max tokens"
+            # the first token after one pass; each later pass takes a pass and its draft steps
+            elapsed = PASS_SECONDS + stats.passes * (PASS_SECONDS + draft_seconds)
+            figures = PassFigures(self.draft_len, accepted, draft_seconds=draft_seconds, verify_seconds=PASS_SECONDS,
+                                  tokens=len(pieces), plain_seconds=len(pieces) * PASS_SECONDS, elapsed=elapsed,
+                                  opening=opening)
+            opening = None
+            stats.add(figures)
+            if produced == len(tokens):
+                stats.stop_reason = "eos" if produced == len(words(ANSWER)) else "max tokens"
+                yield FinalEvent(pieces, figures, stats)
+                return
+            yield TokenEvent(pieces, figures)
 
 
 class FakeBackend:

@@ -1,12 +1,13 @@
 """One assistant turn, run in a worker thread: engine events -> history on disk -> UI in batches.
 
 No Textual here: the app passes `deliver` (its call_from_thread) and a stop event, so the turn
-can be tested, and cut off, without a screen.
+can be tested, and cut off, without a screen. The numbers come from the events alone: each batch
+hands on its passes' figures (frozen, so the UI thread reads them safely), the last one the
+answer's statistics.
 """
 
 from __future__ import annotations
 
-import copy
 import threading
 import time
 from collections.abc import Callable
@@ -14,6 +15,7 @@ from dataclasses import dataclass, field
 
 from localspec.apps.tui.backend import ChatEngine, ChatSettings, error_text
 from localspec.apps.tui.history import Conversation, HistoryStore
+from localspec.core.stats import GenerationStats
 
 BATCH_SECONDS = 0.1
 """Longest wait before new text is saved and shown: small batches, at most ~10 UI updates/s."""
@@ -23,13 +25,10 @@ BATCH_SECONDS = 0.1
 class Batch:
     pieces: list = field(default_factory=list)
     """localspec.core.engine.Piece objects committed since the last batch."""
-    stats: object = None
-    """A copy of the engine's GenerationStats at the time of this batch."""
-    tokens_per_pass: list[float] = field(default_factory=list)
-    """Tokens committed by each target pass since the last batch (for the sparkline)."""
-    progress: list[tuple[float, int]] = field(default_factory=list)
-    """(decode seconds, tokens) after each engine event since the last batch: the 'now' rate is
-    measured on these, so it does not depend on how events were grouped into batches."""
+    figures: list = field(default_factory=list)
+    """The PassFigures of each target pass since the last batch, in order."""
+    stats: GenerationStats | None = None
+    """The answer's statistics, on the last batch of an answer that did not fail."""
     done: bool = False
     error: str = ""
     notice: str = ""
@@ -47,12 +46,13 @@ def stream_answer(
     """Fill the conversation's last message (an empty assistant answer) from the engine."""
     answer = conversation.messages[-1]
     batch = Batch()
-    passes = tokens = 0  # totals at the previous event, to split the counters per pass
+    stats = GenerationStats()  # the answer's so far, folded from the events
     last_flush = time.monotonic()
 
     def flush(done: bool = False, error: str = "") -> None:
         nonlocal batch, last_flush
-        batch.stats, batch.done, batch.error = copy.deepcopy(engine.stats), done, error
+        batch.done, batch.error = done, error
+        batch.stats = stats if done and not error else None
         try:
             store.save(conversation)  # before the UI sees it: what was shown is on disk
         except OSError as exc:  # e.g. disk full: the answer goes on, the previous file stays intact
@@ -64,14 +64,10 @@ def stream_answer(
     error = ""
     try:
         for event in events:
+            stats = event.fold(stats)
             answer.extend(event.pieces)
             batch.pieces += event.pieces
-            stats = engine.stats
-            new_passes, new_tokens = stats.passes - passes, stats.accepted + stats.passes - tokens
-            if new_passes:
-                batch.tokens_per_pass += [new_tokens / new_passes] * new_passes
-            passes, tokens = stats.passes, stats.accepted + stats.passes
-            batch.progress.append((stats.decode_seconds, stats.new_tokens))
+            batch.figures.append(event.figures)
             if stop.is_set():
                 stats.stop_reason = "stopped"
                 break
@@ -82,6 +78,6 @@ def stream_answer(
     finally:
         events.close()
         answer.partial = False
-        answer.stop_reason = "error" if error else engine.stats.stop_reason
-        answer.stats = None if error else engine.stats.to_dict()
+        answer.stop_reason = "error" if error else stats.stop_reason
+        answer.stats = None if error else stats.to_dict()
         flush(done=True, error=error)

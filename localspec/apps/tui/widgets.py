@@ -10,6 +10,7 @@ from textual.containers import Vertical, VerticalScroll
 from textual.widgets import Label, ListItem, ListView, Markdown, Sparkline, Static
 
 from localspec.apps.tui.history import Conversation, Message
+from localspec.core.stats import GenerationStats, PassFigures
 
 DRAFT_STYLE = "black on #87d787"
 """Text the proposer guessed and the target accepted; the target's own tokens stay plain."""
@@ -83,11 +84,13 @@ def bars(fractions: list[float]) -> Text:
 
 
 class StatsPanel(VerticalScroll):
-    """Live speculation statistics, redrawn from each batch's GenerationStats copy."""
+    """Live speculation statistics: the figures of each batch's passes folded into the answer's
+    totals, then the answer's own statistics once it ends."""
 
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
         self.rate = RateWindow()
+        self.stats = GenerationStats()
         self.loaded = None
 
     def compose(self):
@@ -110,19 +113,25 @@ class StatsPanel(VerticalScroll):
         self.query_one("#figures", Static).update(self.figures(None, 0.0))
 
     def start(self) -> None:
-        """A new answer begins: the 'now' rate and the sparkline start over."""
+        """A new answer begins: the totals, the 'now' rate and the sparkline start over."""
         self.rate = RateWindow()
+        self.stats = GenerationStats()
         self.query_one(Sparkline).data = []
 
-    def show(self, stats, tokens_per_pass: list[float], progress: list[tuple[float, int]]) -> None:
+    def show(self, figures: list[PassFigures], final: GenerationStats | None = None) -> None:
+        """A batch: its passes' figures, and the answer's statistics if it has ended."""
         now = 0.0
-        for decode_seconds, tokens in progress or [(stats.decode_seconds, stats.new_tokens)]:
-            now = self.rate.add(decode_seconds, tokens)
+        for pass_figures in figures:  # the 'now' rate after each pass, however they were batched
+            self.stats.add(pass_figures)
+            now = self.rate.add(self.stats.decode_seconds, self.stats.new_tokens)
+        stats = self.stats if final is None else final
+        if not figures:
+            now = self.rate.add(stats.decode_seconds, stats.new_tokens)
         self.query_one("#figures", Static).update(self.figures(stats, now))
         self.query_one("#positions", Static).update(bars(stats.acceptance_by_position))
-        if tokens_per_pass:
+        if figures:
             spark = self.query_one(Sparkline)
-            spark.data = (list(spark.data or []) + tokens_per_pass)[-SPARK_POINTS:]
+            spark.data = (list(spark.data or []) + [f.accepted + 1 for f in figures])[-SPARK_POINTS:]
 
     def figures(self, stats, now: float) -> Table:
         grid = Table.grid(padding=(0, 1))
