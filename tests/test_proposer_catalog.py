@@ -9,7 +9,7 @@ from localspec.store import proposer_catalog
 from localspec.apps.cli import build_parser
 from localspec.base.config import eagle_head_dir
 from localspec.base.errors import LocalspecError
-from localspec.store.proposer_catalog import KINDS, choose_proposer
+from localspec.store.proposer_catalog import KINDS, rank_proposers
 from localspec.store.registry import load_registry
 from localspec.apps.tui.app import LocalspecApp
 from localspec.apps.tui.backend import ChatSettings, available_proposers
@@ -53,10 +53,10 @@ def test_availability_says_why_not(home):
     assert why.startswith(f"no EAGLE head for {TARGET} on this machine ({eagle_head_dir(TARGET)})")
     assert "localspec train-eagle --target qwen2.5-coder-1.5b" in why
     with pytest.raises(LocalspecError, match=f"no EAGLE head for {TARGET} on this machine.*; try --proposer ngram"):
-        choose_proposer("eagle", registry.get(TARGET))
+        rank_proposers("eagle", registry.get(TARGET))
     train_head_here(TARGET)
     assert proposer_catalog.available(registry.get(TARGET)) == list(KINDS)
-    assert choose_proposer("eagle", registry.get(TARGET)).proposer == "eagle"
+    assert [c.proposer for c in rank_proposers("eagle", registry.get(TARGET))] == ["eagle"]  # asked for: no other
 
 
 @pytest.mark.parametrize("command", ["run", "chat", "serve"])

@@ -12,7 +12,7 @@ def _no_local_heads(tmp_path, monkeypatch):
 
 from localspec.base.errors import LocalspecError
 from localspec.store.measurements import Measured
-from localspec.store.proposer_catalog import choose_proposer
+from localspec.store.proposer_catalog import rank_proposers
 from localspec.store.registry import load_registry
 
 SHA = "ab" * 32
@@ -177,7 +177,7 @@ SLOW = Measured(tokens=1000, speedup=0.8, acceptance=0.3)
 )
 def test_auto_choice_table(tmp_path, model, downloaded, memory, history, expected, why):
     reg = registry_from(tmp_path, BASE)
-    choice = choose_proposer("auto", reg.get(model), reg, downloaded=downloaded, memory=memory, history=history)
+    choice = rank_proposers("auto", reg.get(model), reg, downloaded=downloaded, memory=memory, history=history)[0]
     assert (choice.proposer, choice.draft) == expected
     assert why in choice.reason and "\n" not in choice.reason
     if model == "big":  # an EAGLE head is registered but none is on this machine
@@ -199,7 +199,7 @@ FAST = Measured(tokens=1000, speedup=1.5, acceptance=0.8)
 def test_auto_prefers_a_head_trained_here_unless_measured_slower(tmp_path, monkeypatch, history, expected, why):
     monkeypatch.setattr("localspec.store.proposer_catalog.has_eagle_head", lambda name: True)
     reg = registry_from(tmp_path, BASE)
-    choice = choose_proposer("auto", reg.get("big"), reg, downloaded=ALL, memory=100 * GB, history=history)
+    choice = rank_proposers("auto", reg.get("big"), reg, downloaded=ALL, memory=100 * GB, history=history)[0]
     assert (choice.proposer, choice.draft) == expected
     assert why in choice.reason
 
@@ -207,16 +207,18 @@ def test_auto_prefers_a_head_trained_here_unless_measured_slower(tmp_path, monke
 def test_a_saved_pairing_wins_while_it_is_usable(tmp_path):
     user = '[models.big.paired]\nproposer = "draft"\ndraft = "small"\ndraft_len = 4\ntokens_per_second = 9.5\nspeedup = 1.6\n'
     reg = registry_from(tmp_path, BASE, user)
-    choice = choose_proposer("auto", reg.get("big"), reg, downloaded=ALL, memory=100 * GB, history={})
+    choice = rank_proposers("auto", reg.get("big"), reg, downloaded=ALL, memory=100 * GB, history={})[0]
     assert (choice.proposer, choice.draft) == ("draft", "small") and "won `localspec pair` here" in choice.reason
     # once its draft is gone the order applies again
-    choice = choose_proposer("auto", reg.get("big"), reg, downloaded={"big"}, memory=100 * GB, history={})
+    choice = rank_proposers("auto", reg.get("big"), reg, downloaded={"big"}, memory=100 * GB, history={})[0]
     assert choice.proposer == "ngram"
 
 
 def test_explicit_proposers(tmp_path):
     reg = registry_from(tmp_path, BASE)
-    assert choose_proposer("none", reg.get("big")).proposer == "none"
-    assert choose_proposer("draft", reg.get("big")) == ("draft", "--proposer draft was asked for", "small")
+    assert [c.proposer for c in rank_proposers("none", reg.get("big"))] == ["none"]
+    asked, fallback = rank_proposers("draft", reg.get("big"))
+    assert (asked.proposer, asked.reason, asked.draft) == ("draft", "--proposer draft was asked for", "small")
+    assert (fallback.proposer, fallback.draft) == ("ngram", None)  # for a draft that does not fit in memory
     with pytest.raises(LocalspecError, match="lonely has no registered draft model; try --proposer ngram"):
-        choose_proposer("draft", reg.get("lonely"))
+        rank_proposers("draft", reg.get("lonely"))

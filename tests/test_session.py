@@ -8,7 +8,9 @@ import torch
 from conftest import CharTokenizer, tiny_model
 from localspec.store import session
 from localspec.base.config import SpecConfig
+from localspec.base.errors import LocalspecError
 from localspec.store.loading import LoadedModel
+from localspec.store.proposer_catalog import Candidate
 from localspec.store.registry import load_registry
 
 CPU = torch.device("cpu")
@@ -84,14 +86,174 @@ def test_a_measurement_edited_into_another_shape_is_measured_again(tmp_path, mon
 def test_pass_costs_are_keyed_by_what_runs_the_pass(monkeypatch):
     """A changed CPU kernel or the lean pass is measured again, not read from the old entry."""
     from localspec.store import measurements
-    from localspec.runtime.attention import use_exact_attention
-    from localspec.runtime.decoder import use_lean_forward
 
-    model = tiny_model()
-    use_exact_attention(model)
-    before = measurements.pass_cost_key("tiny", model)
+    windowed = tiny_model()
+    windowed.config.sliding_window = 16  # the lean pass cannot run it: its passes take transformers' forward
+    before = measurements.pass_cost_key("tiny", windowed)
     monkeypatch.setattr(measurements, "sources_digest", lambda: "changed")
-    edited = measurements.pass_cost_key("tiny", model)
+    edited = measurements.pass_cost_key("tiny", windowed)
     assert edited != before and "kernels=changed" in edited
-    use_lean_forward(model)
-    assert measurements.pass_cost_key("tiny", model) not in (before, edited)
+    assert measurements.pass_cost_key("tiny", tiny_model()) not in (before, edited)
+
+
+# -- opening: one walk down the catalog's candidates -----------------------------------------------
+
+TARGET, DRAFT = "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"  # a registered pair
+PROMPT_LOOKUP = "prompt lookup needs no extra model"
+
+
+def loaded(name: str, model) -> LoadedModel:
+    return LoadedModel(name, model, None, torch.float32, CPU, 512, 0.0, False)
+
+
+@pytest.fixture
+def opening(tmp_path, monkeypatch):
+    """open_session over tiny models with the candidates, the loads and the pass costs stubbed (no
+    real model loads; no EAGLE head here, so building one fails to load). Returns a function that
+    opens with the given candidates and returns the session and the draft each load asked for."""
+    from localspec.runtime.costs import CostModel
+
+    monkeypatch.setenv("LOCALSPEC_HOME", str(tmp_path))
+    monkeypatch.setattr(session, "situation", lambda registry, model: {})
+
+    def open_with(ranked, requested="auto", draft_step=0.004, draft_out_of_memory=False, error=None):
+        loads = []
+
+        def load_models(entry, draft_entry, proposer, dtype, spec, quiet):
+            loads.append(draft_entry.name if draft_entry else None)
+            if error is not None:
+                raise error
+            if draft_entry is not None and draft_out_of_memory:
+                raise torch.OutOfMemoryError("simulated: no room for the draft")
+            draft = loaded(draft_entry.name, tiny_model("qwen2", seed=1, layers=1)) if draft_entry else None
+            return loaded(entry.name, tiny_model("qwen2")), draft, "test"
+
+        monkeypatch.setattr(session, "rank_proposers", lambda *a, **k: ranked)
+        monkeypatch.setattr(session, "load_models", load_models)
+        # against a 30 ms one-token pass, a 4 ms draft step pays and a 60 ms one cannot
+        monkeypatch.setattr(session, "costs_for", lambda target, draft, widths=None: CostModel({1: 0.03, 16: 0.06}, draft_step if draft else 0.0))
+        return session.open_session(TARGET, requested, "float32", registry=load_registry()), loads
+
+    return open_with
+
+
+def test_a_head_that_fails_to_load_gives_way_to_the_next_candidate_on_the_same_target(opening, capsys):
+    ranked = [Candidate("eagle", "an EAGLE head is here"), Candidate("ngram", PROMPT_LOOKUP, passed_over=("no registered draft",))]
+    opened, loads = opening(ranked)
+    assert opened.proposer == "ngram" and opened.engine.proposer_name == "ngram"
+    assert loads == [None], "the target loaded for the head runs prompt lookup"
+    assert opened.reason.startswith(f"{PROMPT_LOOKUP} (the EAGLE head here cannot be loaded: the EAGLE head in ")
+    assert opened.reason.endswith("; no registered draft)") and "\n" not in opened.reason
+    assert opened.engine.proposer_reason == opened.reason
+    said = capsys.readouterr().err
+    assert "localspec: the EAGLE head here cannot be loaded: " in said and said.rstrip().endswith("; using prompt lookup instead")
+
+
+def test_a_draft_out_of_memory_gives_way_and_the_target_is_loaded_alone(opening, capsys):
+    ranked = [Candidate("draft", "the draft fits", DRAFT), Candidate("ngram", PROMPT_LOOKUP)]
+    opened, loads = opening(ranked, draft_out_of_memory=True)
+    assert (opened.proposer, opened.draft) == ("ngram", None) and loads == [DRAFT, None]
+    why = f"the draft {DRAFT} did not fit in memory (simulated: no room for the draft)"
+    assert opened.reason == f"{PROMPT_LOOKUP} ({why})"
+    assert f"localspec: {why}; using prompt lookup instead" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("requested", ["auto", "draft"])
+def test_under_auto_a_draft_that_cannot_pay_gives_way_and_is_dropped(opening, capsys, requested):
+    ranked = [Candidate("draft", "the draft fits", DRAFT), Candidate("ngram", PROMPT_LOOKUP)]
+    opened, loads = opening(ranked, requested, draft_step=0.06)
+    assert loads == [DRAFT], "prompt lookup runs on the target already loaded"
+    if requested == "draft":  # asked for: kept
+        assert opened.proposer == "draft" and opened.draft is not None and opened.reason == "the draft fits"
+        return
+    assert (opened.proposer, opened.draft) == ("ngram", None)
+    why = ("the draft's measured step (60 ms) against the target's one-token pass (30 ms) cannot beat plain "
+           "decoding even at 70% acceptance")
+    assert opened.reason == f"{PROMPT_LOOKUP} ({why})"
+    assert f"{why}; using prompt lookup instead" in capsys.readouterr().err
+
+
+def test_each_candidate_passed_over_is_named_where_it_ranked(opening, capsys):
+    ranked = [
+        Candidate("eagle", "an EAGLE head is here"),
+        Candidate("draft", "the draft fits", DRAFT, passed_over=("first left out",)),
+        Candidate("ngram", PROMPT_LOOKUP, passed_over=("first left out", "second left out")),
+    ]
+    opened, loads = opening(ranked, draft_step=0.06)
+    assert opened.proposer == "ngram"
+    assert loads == [None, DRAFT], "the head's target alone, then the pair loaded anew for the draft"
+    said = [part.split(":")[0] for part in opened.reason.removeprefix(f"{PROMPT_LOOKUP} (").split("; ")]
+    assert said == ["the EAGLE head here cannot be loaded", "first left out",
+                    "the draft's measured step (60 ms) against the target's one-token pass (30 ms) cannot beat "
+                    "plain decoding even at 70% acceptance", "second left out)"]
+    notices = capsys.readouterr().err.splitlines()
+    assert notices[0].startswith("localspec: the EAGLE head here cannot be loaded: ")
+    assert notices[0].endswith(f"; using draft {DRAFT} instead") and notices[1].endswith("; using prompt lookup instead")
+
+
+def test_the_last_candidate_fails_as_it_is_and_other_failures_are_not_passed_over(opening):
+    with pytest.raises(LocalspecError, match="the EAGLE head in .* cannot be used for"):
+        opening([Candidate("eagle", "--proposer eagle was asked for")], requested="eagle")
+    ranked = [Candidate("draft", "the draft fits", DRAFT), Candidate("ngram", PROMPT_LOOKUP)]
+    with pytest.raises(RuntimeError, match="size mismatch"):
+        opening(ranked, error=RuntimeError("size mismatch for lm_head.weight"))
+
+
+def test_a_reason_after_refusals_keeps_the_ranking_order():
+    first = Candidate("eagle", "head", passed_over=("a",))
+    second = Candidate("draft", "draft", "d", passed_over=("a", "b"))
+    last = Candidate("ngram", "lookup", passed_over=("a", "b", "c"))
+    assert last.reason == "lookup (a; b; c)"
+    assert last.reason_after([(first, "head failed"), (second, "draft failed")]) == "lookup (a; head failed; b; draft failed; c)"
+    assert (first.title, second.title, last.title) == ("the EAGLE head", "draft d", "prompt lookup")
+
+
+# -- switching the proposer on the weights in hand ---------------------------------------------------
+
+
+@pytest.fixture
+def ngram_session(opening, monkeypatch):
+    """A session opened with prompt lookup; the draft's load, tokenizer check and cleanup recorded."""
+    opened, _ = opening([Candidate("ngram", PROMPT_LOOKUP)], requested="ngram")
+    seen = {"drafts": [], "checked": [], "discarded": [], "closed": []}
+    draft = loaded(DRAFT, tiny_model("qwen2", seed=1, layers=1))
+    monkeypatch.setattr(session, "load_draft", lambda entry, dtype, device, spec, quiet: seen["drafts"].append((entry.name, dtype, quiet)) or draft)
+    monkeypatch.setattr(session, "check_tokenizers", lambda *names_and_tokenizers: seen["checked"].append(names_and_tokenizers[::2]))
+    monkeypatch.setattr(session, "discard_unused", lambda *models: seen["discarded"].append(models))
+    monkeypatch.setattr(opened.engine.proposer, "close", lambda: seen["closed"].append(opened.proposer))
+    return opened, seen
+
+
+def test_switching_to_the_draft_loads_it_as_opening_does_then_closes_the_old_engine(ngram_session):
+    opened, seen = ngram_session
+    old, statuses = opened.engine, []
+    engine = opened.switch_proposer("draft", SpecConfig(), "draft was chosen", statuses.append)
+    assert engine is opened.engine is not old and engine.proposer_name == "draft"
+    assert (opened.proposer, opened.reason, opened.draft.name) == ("draft", "draft was chosen", DRAFT)
+    assert seen["drafts"] == [(DRAFT, torch.float32, False)], "through load_draft (its measured format), at the target's dtype, as loud as the opening"
+    assert seen["checked"] == [(TARGET, DRAFT)] and seen["discarded"] == [(opened.target, opened.draft)]
+    assert seen["closed"] == ["ngram"]
+    assert statuses == [f"loading draft model {DRAFT}", "measuring pass costs (cached after the first time)"]
+    opened.switch_proposer("ngram", SpecConfig(), "back")
+    assert opened.draft is not None and len(seen["drafts"]) == 1, "the draft stays loaded for the next switch"
+
+
+def test_a_refused_switch_leaves_the_old_engine_working(ngram_session, monkeypatch):
+    opened, seen = ngram_session
+    old = opened.engine
+    monkeypatch.setattr(session, "check_tokenizers", lambda *a: "token 7 is 'a' in x but 'b' in y")
+    with pytest.raises(LocalspecError, match="token 7 is 'a' in x but 'b' in y; the draft proposer cannot pair them"):
+        opened.switch_proposer("draft", SpecConfig(), "draft was chosen")
+    with pytest.raises(LocalspecError, match="the EAGLE head in .* cannot be used for"):
+        opened.switch_proposer("eagle", SpecConfig(), "eagle was chosen")
+    assert opened.engine is old and (opened.proposer, opened.draft) == ("ngram", None) and seen["closed"] == []
+
+
+def test_the_chat_switches_through_the_session(ngram_session):
+    from localspec.apps.tui.backend import ChatSettings, SessionBackend
+
+    opened, seen = ngram_session
+    backend = SessionBackend(load_registry(), session=opened)
+    shown = backend.open(ChatSettings(model=TARGET, spec=SpecConfig(proposer="draft")), lambda stage: None)
+    assert shown.engine is opened.engine and shown.proposer == "draft" and shown.reason == "draft was chosen in the chat"
+    assert seen["drafts"] and seen["checked"] and seen["closed"] == ["ngram"]

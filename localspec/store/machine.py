@@ -5,7 +5,7 @@ and the inputs of `--proposer auto`.
 - check_eagle_head: a published head is only valid on the target revision it was trained on.
 - free_memory: bytes free for weights and caches on the device generation runs on.
 - situation: what is downloaded, the free memory and the local history (measurements.py), i.e.
-  the facts proposer_catalog.choose_proposer weighs for `--proposer auto`.
+  the facts proposer_catalog.rank_proposers weighs for `--proposer auto`.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 import psutil
 import torch
 
-from localspec.store import loading
+from localspec.store import loading, paths
 from localspec.store.measurements import load_history
 from localspec.store.registry import EagleHead, ModelEntry, Registry
 
@@ -103,12 +103,12 @@ def free_memory(device: torch.device) -> int:
 
 
 def situation(registry: Registry, model: str) -> dict:
-    """Keyword arguments of proposer_catalog.choose_proposer describing this machine now."""
+    """Keyword arguments of proposer_catalog.rank_proposers describing this machine now."""
     return {
         # a model with an offline mirror is fetched and verified on first use like the embedded
         # default target, so its draft counts as at hand: the default pair works out of the box
         "downloaded": {
-            name for name, entry in registry.models.items() if entry.mirror is not None or loading.is_downloaded(entry)
+            name for name, entry in registry.models.items() if entry.mirror is not None or paths.is_downloaded(entry)
         },
         "memory": free_memory(loading.pick_device()),
         "history": load_history(model),

@@ -1,4 +1,4 @@
-"""The proposers localspec runs, in one table, and the `--proposer auto` choice among them.
+"""The proposers localspec runs, in one table, and the ranked candidates `--proposer auto` walks.
 
 Each `ProposerKind` says what a proposer needs (a draft model, an EAGLE head), whether it drafts
 trees, whether it can run for a target on this machine (and if not, why, in one line) and how to
@@ -6,7 +6,7 @@ build it. The CLI's option choices, `--proposer auto`, the chat UI's proposer sw
 the pairing wizard all read this table, so a proposer added here is offered everywhere.
 
 To add a proposer: write it under localspec/proposers/ (the `Proposer` interface in base.py), then
-add one `ProposerKind` to KINDS; `choose_proposer` decides where auto ranks it.
+add one `ProposerKind` to KINDS; `rank_proposers` decides where auto ranks it.
 
 No torch here: the CLI builds its choices and the chat UI its menu before the weights load. The
 factories therefore import their proposer's module when called; those are the only function-level
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 from localspec.base.config import SpecConfig, eagle_head_dir, has_eagle_head
 from localspec.base.errors import LocalspecError, first_line
@@ -38,6 +38,8 @@ class ProposerKind:
     name: str
     about: str
     """One line: where the guesses come from (shown in `--help`)."""
+    title: str
+    """What a notice calls it ("using prompt lookup instead")."""
     build: Callable[[SpecConfig, LoadedModel, LoadedModel | None, CostModel], Proposer | None]
     """(spec, target, draft, costs) -> the proposer (None: plain decoding)."""
     draft_model: bool = False
@@ -67,15 +69,13 @@ def _build_draft(spec, target, draft, costs) -> Proposer:
 
 
 def _build_eagle(spec, target, draft, costs) -> Proposer:
-    """The EAGLE head trained for this target on this machine, checked against it strictly."""
+    """The EAGLE head trained for this target on this machine (the ranking saw it there), checked
+    against the target strictly."""
     import torch
 
     from localspec.core.proposers.eagle import EagleProposer
     from localspec.core.proposers.eagle_head import build_head, load_head
 
-    entry = load_registry().get(target.name)
-    if why_not := unavailable("eagle", entry):
-        raise LocalspecError(f"{why_not} or use --proposer draft/ngram")
     folder = eagle_head_dir(target.name)
     try:
         checkpoint = load_head(folder, target.model.config)
@@ -84,19 +84,22 @@ def _build_eagle(spec, target, draft, costs) -> Proposer:
         raise LocalspecError(f"the EAGLE head in {folder} cannot be used for {target.name}: {exc}") from exc
     except Exception as exc:  # a damaged file (truncated safetensors, config.json of another shape)
         raise LocalspecError(
-            f"the EAGLE head in {folder} is damaged ({first_line(exc)}); train it again with `{train_command(entry)}`"
+            f"the EAGLE head in {folder} is damaged ({first_line(exc)}); "
+            f"train it again with `{train_command(load_registry().get(target.name))}`"
         ) from exc
-    return EagleProposer(head, target.model, costs, top_k=spec.tree_top_k, nodes=spec.tree_nodes, depth=spec.tree_depth)
+    return EagleProposer(head, target.model, top_k=spec.tree_top_k, nodes=spec.tree_nodes, depth=spec.tree_depth)
 
 
 KINDS: dict[str, ProposerKind] = {
     kind.name: kind
     for kind in (
         ProposerKind("eagle", "an EAGLE head trained here drafts a tree from the target's own hidden states",
-                     _build_eagle, head=True, trees=True),
-        ProposerKind("draft", "a small model with the target's tokenizer drafts a chain", _build_draft, draft_model=True),
-        ProposerKind("ngram", "prompt lookup: what followed the text's latest suffix earlier on", _build_ngram),
-        ProposerKind("none", "plain decoding, one token per target pass", _no_proposer),
+                     "the EAGLE head", _build_eagle, head=True, trees=True),
+        ProposerKind("draft", "a small model with the target's tokenizer drafts a chain", "the draft model",
+                     _build_draft, draft_model=True),
+        ProposerKind("ngram", "prompt lookup: what followed the text's latest suffix earlier on", "prompt lookup",
+                     _build_ngram),
+        ProposerKind("none", "plain decoding, one token per target pass", "plain decoding", _no_proposer),
     )
 }
 """Every proposer, in the order `--proposer auto` prefers them when nothing was measured."""
@@ -135,15 +138,38 @@ def train_command(entry: ModelEntry) -> str:
     return f"localspec train-eagle --target {entry.name}{' ' + recipe if recipe else ''}"
 
 
-# --- automatic proposer choice -----------------------------------------------------------------
+# --- the ranking ---------------------------------------------------------------------------------
 
 
-class Choice(NamedTuple):
+@dataclass(frozen=True)
+class Candidate:
+    """One proposer (and draft) worth opening, where it ranks, and why those above it were left out."""
+
     proposer: str
-    reason: str
-    """One line, shown to the user (stderr, the UI, --json)."""
+    about: str
+    """Why this proposer, on its own terms (one line)."""
     draft: str | None = None
     """The draft model's registry name when the proposer drafts with a model."""
+    passed_over: tuple[str, ...] = ()
+    """Why each proposer ranked above this one was left out of the ranking, in rank order."""
+
+    @property
+    def reason(self) -> str:
+        """One line, shown to the user (stderr, the UI, --json): why this one, and why not those above it."""
+        return self.reason_after([])
+
+    def reason_after(self, refused: list[tuple[Candidate, str]]) -> str:
+        """The reason once the candidates in `refused`, ranked above this one, could not be opened:
+        each one's why among the passed-over ones, at its place in the ranking."""
+        said = list(self.passed_over)
+        for earlier, why in reversed(refused):  # the latest first, so the earlier places stay put
+            said.insert(len(earlier.passed_over), why)
+        return f"{self.about} ({'; '.join(said)})" if said else self.about
+
+    @property
+    def title(self) -> str:
+        """What it is called when it takes over from a candidate that could not be opened."""
+        return f"draft {self.draft}" if self.draft else KINDS[self.proposer].title
 
 
 def registered_draft(entry: ModelEntry) -> str:
@@ -157,7 +183,10 @@ def _gb(n: int) -> str:
     return f"{n / 1e9:.1f} GB"
 
 
-def choose_proposer(
+PROMPT_LOOKUP = "prompt lookup needs no extra model"
+
+
+def rank_proposers(
     requested: str,
     entry: ModelEntry,
     registry: Registry | None = None,
@@ -165,26 +194,28 @@ def choose_proposer(
     downloaded: set[str] | None = None,
     memory: int | None = None,
     history: dict[str, Measured] | None = None,
-    head_error: str | None = None,
-) -> Choice:
-    """Resolve --proposer into a concrete proposer, with the one-line reason shown to the user.
+) -> list[Candidate]:
+    """Resolve --proposer into the candidates to open, best first; the session opens the first
+    that loads and passes over the others (a head that fails to load, a draft that does not fit
+    in memory or, under auto, one whose measured step cannot pay).
 
-    An explicit proposer that cannot run for this target is a one-line error. For auto the order
-    is EAGLE head > draft model > n-gram > none. A candidate is passed over when it is not
-    downloaded, does not fit in `memory` (bytes free for weights and caches)
+    An explicit proposer that cannot run for this target is a one-line error; asked for, it is
+    the one candidate, except that a draft model gives way to prompt lookup when it does not fit
+    in memory. For auto the order is EAGLE head > draft model > n-gram > none. A proposer is left
+    out when it is not downloaded, does not fit in `memory` (bytes free for weights and caches)
     beside the target, or was measured slower than plain decoding on this machine (`history`,
-    keyed by pair_key); the EAGLE head also when a draft was measured faster here, or when it
-    could not be loaded (`head_error`, the reason). A saved
-    `localspec pair` result comes first, being a measurement itself. Unknown facts (None) exclude
-    nothing.
+    keyed by pair_key); the EAGLE head also when a draft was measured faster here. A saved
+    `localspec pair` result ranks first, being a measurement itself. Unknown facts (None) exclude
+    nothing. The ranking reaches prompt lookup or plain decoding, which always open.
     """
     history = history or {}
     if requested != "auto":
         why_not = unavailable(requested, entry)
         if why_not:
             raise LocalspecError(f"{why_not}; try --proposer ngram")
-        draft = registered_draft(entry) if kind(requested).draft_model else None
-        return Choice(requested, f"--proposer {requested} was asked for", draft)
+        asked = Candidate(requested, f"--proposer {requested} was asked for",
+                          registered_draft(entry) if kind(requested).draft_model else None)
+        return [asked, Candidate("ngram", PROMPT_LOOKUP)] if asked.draft else [asked]
 
     def have(name: str) -> bool:
         return downloaded is None or name in downloaded
@@ -200,7 +231,13 @@ def choose_proposer(
     def fits(draft: ModelEntry) -> bool:
         return memory is None or entry.memory_with(draft) <= memory
 
+    ranked: list[Candidate] = []
     skipped: list[str] = []
+
+    def rank(proposer: str, about: str, draft: str | None = None) -> None:
+        if all((c.proposer, c.draft) != (proposer, draft) for c in ranked):  # a saved pairing is not ranked twice
+            ranked.append(Candidate(proposer, about, draft, tuple(skipped)))
+
     paired = entry.paired
     if paired and paired.proposer in KINDS and not slow(pair_key(paired.proposer, paired.draft)):
         usable = unavailable(paired.proposer, entry) is None and (paired.draft is None or (
@@ -209,15 +246,11 @@ def choose_proposer(
         ))
         if usable:
             what = f"draft {paired.draft}" if paired.draft else paired.proposer
-            return Choice(
-                paired.proposer,
-                f"{what} won `localspec pair` here ({paired.tokens_per_second:.1f} tok/s, {paired.speedup:.2f}x plain)",
-                paired.draft,
-            )
+            rank(paired.proposer,
+                 f"{what} won `localspec pair` here ({paired.tokens_per_second:.1f} tok/s, {paired.speedup:.2f}x plain)",
+                 paired.draft)
 
-    if head_error is not None:
-        skipped.append(f"the EAGLE head here cannot be loaded: {head_error}")
-    elif has_eagle_head(entry.name):
+    if has_eagle_head(entry.name):
         eagle = known("eagle")
         # a draft measured faster here wins over the head (heads trained on a small machine can be weak)
         rivals = [(m.speedup, name) for name in entry.drafts if (m := known(pair_key("draft", name))) and have(name)]
@@ -227,7 +260,7 @@ def choose_proposer(
         elif eagle and rival and rival[0] > eagle.speedup:
             skipped.append(f"the EAGLE head measured {eagle.speedup:.2f}x plain here, draft {rival[1]} {rival[0]:.2f}x")
         else:
-            return Choice("eagle", _with_skipped(f"an EAGLE head trained for {entry.name} is on this machine ({eagle_head_dir(entry.name)})", skipped))
+            rank("eagle", f"an EAGLE head trained for {entry.name} is on this machine ({eagle_head_dir(entry.name)})")
     elif entry.eagle_heads:
         skipped.append(f"no EAGLE head on this machine ({train_command(entry)})")
 
@@ -242,16 +275,14 @@ def choose_proposer(
         elif measured:
             skipped.append(f"draft {name} measured {measured.speedup:.2f}x plain here")
         else:
-            return Choice("draft", _with_skipped(f"draft {name} has the same tokenizer and fits", skipped), name)
+            rank("draft", f"draft {name} has the same tokenizer and fits", name)
     if not entry.drafts:
         skipped.append("no registered draft")
 
     measured = slow("ngram")
     if measured is None:
-        return Choice("ngram", _with_skipped("prompt lookup needs no extra model", skipped))
-    skipped.append(f"prompt lookup measured {measured.speedup:.2f}x plain here")
-    return Choice("none", _with_skipped("plain decoding", skipped))
-
-
-def _with_skipped(reason: str, skipped: list[str]) -> str:
-    return f"{reason} ({'; '.join(skipped)})" if skipped else reason
+        rank("ngram", PROMPT_LOOKUP)
+    else:
+        skipped.append(f"prompt lookup measured {measured.speedup:.2f}x plain here")
+        rank("none", "plain decoding")
+    return ranked

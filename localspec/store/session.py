@@ -1,13 +1,18 @@
 """From a model name and options to a ready Engine: load, choose proposer and dtype, calibrate.
 
 The CLI, the benchmark and the UI all start here; the engine itself knows nothing of registries,
-files or dtype choices.
+files or dtype choices. `open_session` walks the catalog's ranked candidates once, top to bottom:
+a candidate that cannot be opened (a head that fails to load, a draft out of memory, under auto a
+draft whose measured step cannot pay) gives way to the next, keeping the weights the next one can
+run on. `Session.switch_proposer` builds another engine on the weights in hand (the chat's
+proposer switch, the pairing wizard), with the same draft loading, checks and cleanup.
 """
 
 from __future__ import annotations
 
 import functools
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import psutil
@@ -18,17 +23,16 @@ from localspec.store import proposer_catalog
 from localspec.core import policy
 from localspec.base.config import SpecConfig
 from localspec.runtime.costs import CostModel, WIDTHS, cost_model
-from localspec.runtime.decoder import use_exact_pass
 from localspec.core.engine import Engine
 from localspec.base.errors import LocalspecError, first_line, is_out_of_memory
-from localspec.store.loading import (
-    LoadedModel, discard_unused, hub_snapshot, load_model, pick_device, release_memory,
-)
+from localspec.store.cleanup import discard_unused
+from localspec.store.loading import LoadedModel, load_model, pick_device, release_memory
+from localspec.store.paths import hub_snapshot
 from localspec.store.machine import check_tokenizers, situation
 from localspec.store.measurements import (
     draft_format_key, dtype_key, load_calibration, measured_costs, measured_curves, save_calibration,
 )
-from localspec.store.proposer_catalog import choose_proposer, registered_draft
+from localspec.store.proposer_catalog import Candidate, rank_proposers, registered_draft
 from localspec.store.registry import ModelEntry, Registry, load_registry
 from localspec.kernels.cpu_linear import (
     PackedLinear, linear_bytes, pack_linears, packing_supported, set_wide_from, unpack_linears,
@@ -42,17 +46,67 @@ ASSUMED_ACCEPTANCE = 0.7
 """Acceptance used to compare dtypes before any generation has been seen."""
 
 
+class DraftCannotPay(LocalspecError):
+    """Under auto, a draft whose measured step cannot beat plain decoding (the message says by how much)."""
+
+
 @dataclass
 class Session:
-    """Everything loaded for one target/proposer pair."""
+    """The weights loaded for one target (and its draft), and the engine running on them now."""
 
     entry: ModelEntry
+    registry: Registry
     target: LoadedModel
     draft: LoadedModel | None
-    engine: Engine
-    proposer: str
-    reason: str
     dtype_reason: str
+    """Why the target computes in its dtype and weight format."""
+    quiet: bool = True
+    engine: Engine | None = None
+    proposer: str = "none"
+    reason: str = ""
+    """Why this proposer, in one line."""
+
+    def switch_proposer(
+        self, proposer: str, spec: SpecConfig, reason: str,
+        status: Callable[[str], None] | None = None, draft_must_pay: bool = False,
+    ) -> Engine:
+        """An engine for `proposer` on the weights in hand; the old engine's proposer is closed
+        once the new one is built, so a failure leaves the old engine working. A proposer that
+        drafts with a model gets the registered draft loaded beside the target when none is here,
+        as opening loads it (its measured format, the tokenizer check, the unused copies removed).
+        With `draft_must_pay`, a draft whose measured step cannot pay is refused (DraftCannotPay).
+        `status` hears each stage (the chat's loading screen)."""
+        status = status or (lambda stage: None)
+        needs_draft = proposer_catalog.kind(proposer).draft_model
+        if needs_draft and self.draft is None:
+            draft_entry = draft_entry_for(self.registry, self.entry)
+            status(f"loading draft model {draft_entry.name}")
+            # the draft alone, at the target's dtype: the target stays as it is
+            draft = load_draft(draft_entry, self.target.dtype, self.target.device, spec, self.quiet)
+            wait_for_packing(draft.model)
+            check_pair(self.entry, self.target, draft_entry, draft)
+            discard_unused(self.target, draft)
+            self.draft = draft
+        status("measuring pass costs (cached after the first time)")
+        draft = self.draft if needs_draft else None
+        costs = costs_for(self.target, draft)
+        if draft_must_pay and draft is not None and not draft_pays(costs, spec.max_draft_len):
+            raise DraftCannotPay(
+                f"the draft's measured step ({costs.draft_step_seconds * 1e3:.0f} ms) against the target's "
+                f"one-token pass ({costs.verify(1) * 1e3:.0f} ms) cannot beat plain decoding even at "
+                f"{ASSUMED_ACCEPTANCE:.0%} acceptance"
+            )
+        engine = make_engine(self.target, draft, proposer, spec, reason, costs)
+        self.close()
+        self.engine, self.proposer, self.reason = engine, proposer, reason
+        return engine
+
+    def close(self) -> None:
+        """Detach what the engine's proposer attached to the target (an EAGLE head's feature
+        hooks), before another engine runs on the same weights."""
+        if self.engine is not None and self.engine.proposer is not None:
+            self.engine.proposer.close()
+        self.engine = None
 
 
 def notice(message: str, quiet: bool = False) -> None:
@@ -87,11 +141,9 @@ def _choose_verify_path(target: LoadedModel, widths) -> dict[int, dict[int, floa
 
 
 def costs_for(target: LoadedModel, draft: LoadedModel | None, widths=WIDTHS) -> CostModel:
-    """The costs of the passes generation runs: the target with the attention the engine gives it."""
-    use_exact_pass(target.model)
+    """The costs of the passes generation runs (timed through the `TargetPass` the engine and the
+    draft proposer run)."""
     verify = fast_verify_path(target, widths)
-    if draft is not None:
-        use_exact_pass(draft.model)  # as `DraftModelProposer` runs it
     step = measured_costs(draft.name, draft.model, (1,))[1] if draft is not None else 0.0
     return cost_model(verify, step)
 
@@ -133,20 +185,17 @@ def choose_dtype(
     return DTYPE_NAMES[best], reason
 
 
-def make_engine(target: LoadedModel, draft: LoadedModel | None, proposer: str, spec: SpecConfig, reason: str) -> Engine:
-    """An engine over already-loaded weights (the benchmark builds several over the same ones)."""
-    costs = costs_for(target, draft if proposer_catalog.kind(proposer).draft_model else None)
+def make_engine(
+    target: LoadedModel, draft: LoadedModel | None, proposer: str, spec: SpecConfig, reason: str,
+    costs: CostModel | None = None,
+) -> Engine:
+    """An engine over already-loaded weights (the benchmark builds several over the same ones);
+    `costs` when they were measured for this pair already."""
+    costs = costs or costs_for(target, draft if proposer_catalog.kind(proposer).draft_model else None)
     return Engine(
         target.model, target.tokenizer, proposer_catalog.build(proposer, spec, target, draft, costs), spec=spec,
         costs=costs, context_len=target.context_len, proposer_reason=reason,
     )
-
-
-def release_engine(engine: Engine) -> None:
-    """Detach what the engine's proposer attached to the target (an EAGLE head's feature hooks),
-    before another engine runs on the same weights."""
-    if engine.proposer is not None:
-        engine.proposer.close()
 
 
 def choose_quant(entry: ModelEntry, wanted: str, device: torch.device, dtype: str = "auto") -> tuple[str, str]:
@@ -231,11 +280,16 @@ def load_models(
         if loaded is not None:
             wait_for_packing(loaded.model)
     if draft is not None:
-        refused = check_tokenizers(entry.name, target.tokenizer, draft_entry.name, draft.tokenizer)
-        if refused:
-            raise LocalspecError(f"{refused}; the draft proposer cannot pair them (try --proposer ngram)")
+        check_pair(entry, target, draft_entry, draft)
     discard_unused(target, draft)  # the copies of other formats (measured ones included) go
     return target, draft, dtype_reason
+
+
+def check_pair(entry: ModelEntry, target: LoadedModel, draft_entry: ModelEntry, draft: LoadedModel) -> None:
+    """Refuse a draft whose tokens do not mean the same to the target, saying what differs."""
+    refused = check_tokenizers(entry.name, target.tokenizer, draft_entry.name, draft.tokenizer)
+    if refused:
+        raise LocalspecError(f"{refused}; the draft proposer cannot pair them (try --proposer ngram)")
 
 
 def describe_weights(loaded: LoadedModel) -> str:
@@ -267,7 +321,6 @@ def load_draft(entry: ModelEntry, dtype: torch.dtype, device: torch.device, spec
                     loaded = load_model(entry, dtype, quant=candidate, device=device, progress=not quiet)
                 except LocalspecError:
                     continue  # a format this build cannot run
-                use_exact_pass(loaded.model)  # as `DraftModelProposer` runs it
                 steps[candidate] = measured_costs(loaded.name, loaded.model, (1,))[1]
                 del loaded
             quant = min(steps, key=steps.get)
@@ -286,54 +339,54 @@ def open_session(
     spec: SpecConfig | None = None,
     quiet: bool = False,
     registry: Registry | None = None,
-    head_error: str | None = None,
 ) -> Session:
-    """Load and calibrate; `head_error` (set by the retry below) says why auto must pass over the EAGLE head."""
+    """Load and calibrate the first of the catalog's candidates that opens. One that cannot be
+    opened gives way to the next: a notice says why at once, and the reason of the one opened
+    names it among those passed over. The weights in hand stay for a next candidate that runs on
+    them (the target alone, or the same pair); the last candidate's failure is the user's to see."""
     registry = registry or load_registry()
     entry = registry.get(model)
     spec = spec or SpecConfig(proposer=proposer)
-    requested = proposer
-    proposer, reason, draft_name = choose_proposer(
-        proposer, entry, registry, head_error=head_error, **situation(registry, entry.name)
-    )
-    draft_entry = registry.get(draft_name) if draft_name else None
-    short = None
-    try:
-        target, draft, dtype_reason = load_models(entry, draft_entry, proposer, dtype, spec, quiet)
-    except Exception as exc:
-        memory_short = is_out_of_memory(exc) or (isinstance(exc, LocalspecError) and "memory" in str(exc))
-        if draft_entry is None or not memory_short:
-            raise
-        short = first_line(exc)
-    if short is not None:
-        # Out of the except block, the traceback no longer holds the first attempt's target:
-        # collect it before the retry, or two targets would have to fit at once.
-        release_memory()
-        # the draft is what did not fit (the target alone is loaded next): go on with prompt lookup
-        proposer = "ngram"
-        reason = f"the draft {draft_entry.name} did not fit in memory ({short}); using prompt lookup instead"
-        notice(reason, quiet)
-        draft_entry = None
-        target, draft, dtype_reason = load_models(entry, None, proposer, dtype, spec, quiet)
-    try:
-        engine = make_engine(target, draft, proposer, spec, reason)
-    except LocalspecError as exc:
-        if requested != "auto" or proposer != "eagle" or head_error is not None:  # retried once at most
-            raise
-        head_error = first_line(exc)
-    else:
-        if requested == "auto" and proposer == "draft" and not draft_pays(engine.costs, spec.max_draft_len):
-            costs = engine.costs
-            reason = (f"the draft's measured step ({costs.draft_step_seconds * 1e3:.0f} ms) against the target's "
-                      f"one-token pass ({costs.verify(1) * 1e3:.0f} ms) cannot beat plain decoding even at "
-                      f"{ASSUMED_ACCEPTANCE:.0%} acceptance; using prompt lookup instead")
-            notice(reason, quiet)
-            del engine, draft
+    ranked = rank_proposers(proposer, entry, registry, **situation(registry, entry.name))
+    held: Session | None = None
+    refused: list[tuple[Candidate, str]] = []
+
+    def open_candidate(candidate: Candidate) -> Session:
+        nonlocal held
+        if held is not None and candidate.draft != (held.draft.name if held.draft else None):
+            if candidate.draft is None:
+                held.draft = None  # the target alone runs this one
+            else:
+                held = None  # another pair: the weights in hand go before its load
             release_memory()
-            proposer, draft = "ngram", None
-            engine = make_engine(target, None, proposer, spec, reason)
-        return Session(entry, target, draft, engine, proposer, reason, dtype_reason)
-    # auto picked a head that cannot be loaded: choose again without it (the reason says why)
-    del target, draft
-    release_memory()
-    return open_session(model, requested, dtype, spec, quiet, registry, head_error=head_error)
+        if held is None:
+            draft_entry = registry.get(candidate.draft) if candidate.draft else None
+            held = Session(entry, registry, *load_models(entry, draft_entry, candidate.proposer, dtype, spec, quiet), quiet)
+        held.switch_proposer(candidate.proposer, spec, candidate.reason_after(refused), draft_must_pay=proposer == "auto")
+        return held
+
+    for candidate, then in zip(ranked, ranked[1:]):
+        try:
+            return open_candidate(candidate)
+        except Exception as exc:
+            why = _why_passed_over(exc, candidate)
+            if why is None:
+                raise
+        notice(f"{why}; using {then.title} instead", quiet)
+        refused.append((candidate, why))
+        # out of the except block, the traceback no longer holds a failed load's weights: collect
+        # them before the next load, or two targets would have to fit at once
+        release_memory()
+    return open_candidate(ranked[-1])
+
+
+def _why_passed_over(exc: Exception, candidate: Candidate) -> str | None:
+    """Why `candidate` gives way to the next one, in one line; None when `exc` is the user's to see."""
+    if isinstance(exc, DraftCannotPay):
+        return str(exc)
+    memory_short = is_out_of_memory(exc) or (isinstance(exc, LocalspecError) and "memory" in str(exc))
+    if candidate.draft is not None and memory_short:
+        return f"the draft {candidate.draft} did not fit in memory ({first_line(exc)})"
+    if proposer_catalog.kind(candidate.proposer).head and isinstance(exc, LocalspecError):
+        return f"the EAGLE head here cannot be loaded: {first_line(exc)}"
+    return None

@@ -94,14 +94,12 @@ class SessionBackend:
         self.session = session
         self.dtype = None
         """The dtype option the session was opened with (None: opened by the caller)."""
-        self.engine = session.engine if session is not None else None
-        """The engine handed out last (the session's own, or one rebuilt for a proposer switch)."""
 
     def open(self, settings: ChatSettings, status: Callable[[str], None]) -> Loaded:
         status("importing torch")
         # imported here, in the loading worker, so that the UI is up before torch is
         from localspec.store import session as sessions
-        from localspec.store.loading import load_model, release_memory
+        from localspec.store.loading import release_memory
 
         entry = self.registry.get(settings.model)
         current = self.session
@@ -113,22 +111,11 @@ class SessionBackend:
                 entry.name, settings.spec.proposer, settings.dtype, settings.spec, quiet=True, registry=self.registry
             )
             self.dtype = settings.dtype
-            engine, proposer, reason = current.engine, current.proposer, current.reason
         else:
-            # a proposer picked in the UI on the weights already loaded ('auto' only comes with a load)
+            # a proposer picked in the UI on the weights already loaded ('auto' only comes with a
+            # load); a failure leaves the old engine working
             proposer = settings.spec.proposer
-            reason = f"{proposer} was chosen in the chat"
-            if proposer_catalog.kind(proposer).draft_model and current.draft is None:
-                draft_entry = sessions.draft_entry_for(self.registry, entry)
-                status(f"loading draft model {draft_entry.name}")
-                # the draft alone, at the target's dtype: load_models would load the target again
-                current.draft = load_model(draft_entry, current.target.dtype, device=current.target.device, progress=False)
-            status("measuring pass costs (cached after the first time)")
-            engine = sessions.make_engine(current.target, current.draft, proposer, settings.spec, reason)
-        if self.engine is not None and self.engine is not engine:
-            # once the new engine is built (a failure leaves the old one working): what the old
-            # engine's proposer hooked into the target goes with it
-            sessions.release_engine(self.engine)
-        self.engine = engine
+            current.switch_proposer(proposer, settings.spec, f"{proposer} was chosen in the chat", status)
         device = current.target.device.type
-        return Loaded(engine, entry.name, proposer, reason, current.dtype_reason, lambda: memory_in_use(device))
+        return Loaded(current.engine, entry.name, current.proposer, current.reason, current.dtype_reason,
+                      lambda: memory_in_use(device))
