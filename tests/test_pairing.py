@@ -181,14 +181,29 @@ def measured(lines: list[str]) -> list[str]:
 def test_the_wizard_measures_every_candidate_and_saves_the_winner(home, monkeypatch):
     pulled = []
     monkeypatch.setattr(pairing.hub, "pull", lambda entry, offline: pulled.append(entry.name))
+    decoded: dict[str, list[tuple[int, float]]] = {}  # per candidate, per prompt: (decode tokens, seconds)
+    record = pairing.record_generation
+
+    def recording(model, proposer, stats, draft=None):
+        # the first token of an answer comes from the prompt pass: decode speed counts the rest
+        decoded.setdefault(measurements.pair_key(proposer, draft), []).append((stats.new_tokens - 1, stats.decode_seconds))
+        record(model, proposer, stats, draft)
+
+    monkeypatch.setattr(pairing, "record_generation", recording)
     _, run = tiny_wizard(home, monkeypatch)
     best, lines = run()
 
     assert pulled == ["qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"]
     assert measured(lines) == ["none", "ngram", "draft:qwen2.5-coder-0.5b"]
     assert any(line.startswith("eagle: no EAGLE head for qwen2.5-coder-1.5b") for line in lines)  # said, not silent
+    assert list(decoded) == measured(lines) and all(len(runs) == 2 for runs in decoded.values())  # two prompts each
+    speeds = {key: sum(t for t, _ in runs) / sum(s for _, s in runs) for key, runs in decoded.items()}
+    winner = max(speeds, key=speeds.get)
     saved = load_registry().get("qwen2.5-coder-1.5b").paired
-    assert (saved.proposer, saved.draft) == (best.proposer, best.draft) and saved.draft_len == best.draft_len
+    assert measurements.pair_key(saved.proposer, saved.draft) == winner
+    assert saved.tokens_per_second == pytest.approx(speeds[winner], abs=1e-3)
+    assert saved.speedup == pytest.approx(speeds[winner] / speeds["none"], abs=1e-3)
+    assert (best.proposer, best.draft, best.draft_len) == (saved.proposer, saved.draft, saved.draft_len)
     assert set(measurements.load_history("qwen2.5-coder-1.5b")) <= {"none", "ngram", "draft:qwen2.5-coder-0.5b"}
 
 
