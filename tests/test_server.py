@@ -18,11 +18,12 @@ from starlette.testclient import TestClient
 from conftest import CharTokenizer, tiny_model
 from localspec.apps.cli import main
 from localspec.base.config import GenerationLimits, SamplingConfig, SpecConfig
-from localspec.core.engine import Engine
+from localspec.core.engine import Engine, FinalEvent
 from localspec.base.errors import LocalspecError
 from localspec.core.proposers import NgramProposer
 from localspec.apps.serve.app import create_app, listen
 from localspec.apps.serve.config import ServeConfig
+from localspec.apps.serve.metrics import timings
 from localspec.apps.serve.turns import Served
 
 GREEDY = SamplingConfig(temperature=0.0)
@@ -194,6 +195,35 @@ def test_a_follow_up_turn_reuses_the_cached_conversation():
         # the first turn's prompt and answer (all but the answer's last token) were not prefilled again
         assert second["timings"]["cache_n"] >= first["usage"]["total_tokens"] - 1
         assert first["timings"]["cache_n"] == 0
+
+
+class EventsOnly:
+    """A real engine with only what the server may use: no `stats`, no `kv_tokens`, so a number
+    taken from anywhere but the events fails. Keeps each answer's finished statistics."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine, self.tokenizer, self.context_len = engine, engine.tokenizer, engine.context_len
+        self.finals = []
+
+    def encode(self, *args, **kw):
+        return self.engine.encode(*args, **kw)
+
+    def generate(self, prompt, sampling, limits):
+        for event in self.engine.generate(prompt, sampling, limits):
+            if isinstance(event, FinalEvent):
+                self.finals.append(event.stats)
+            yield event
+
+
+def test_timings_are_the_final_events_statistics():
+    engine = EventsOnly(tiny_engine())
+    with client_for(engine) as client:
+        first = client.post("/v1/chat/completions", json=OK).json()
+        history = HELLO + [first["choices"][0]["message"], {"role": "user", "content": "again"}]
+        with client.stream("POST", "/v1/chat/completions", json={**OK, "messages": history, "stream": True}) as r:
+            second = events(r.iter_lines())[-2]["timings"]
+    assert [first["timings"], second] == [timings(stats) for stats in engine.finals]
+    assert first["timings"]["cache_n"] == 0 and second["cache_n"] == engine.finals[1].cached_tokens > 0
 
 
 # -- bad requests ---------------------------------------------------------------------------------

@@ -117,7 +117,7 @@ class Api:
         choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": finish}
                   if chat else {"index": 0, "text": text, "logprobs": None, "finish_reason": finish})
         return JSONResponse({**head, "object": "chat.completion" if chat else "text_completion", "choices": [choice],
-                             "usage": usage(stats), "timings": timings(stats, turn.cached)})
+                             "usage": usage(stats), "timings": timings(stats)})
 
     @staticmethod
     async def _collect(turn: Turn) -> str:
@@ -150,7 +150,7 @@ class Api:
             yield sse({"error": {"message": "the server is shutting down; the answer was cut short",
                                  "type": "unavailable_error", "param": None, "code": None}})
             return
-        yield chunk(None, finish, timings=timings(stats, turn.cached))
+        yield chunk(None, finish, timings=timings(stats))
         if include_usage:
             yield sse({**head, "choices": [], "usage": usage(stats)})
         yield sse("[DONE]")

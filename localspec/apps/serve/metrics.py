@@ -9,12 +9,12 @@ import threading
 from localspec.core.stats import GenerationStats
 
 
-def timings(stats: GenerationStats, cached: int) -> dict:
+def timings(stats: GenerationStats) -> dict:
     """llama-server's `timings` names, plus what speculation adds."""
-    fresh = stats.prompt_tokens - cached
+    fresh = stats.prompt_tokens - stats.cached_tokens
     return {
         "prompt_n": stats.prompt_tokens,
-        "cache_n": cached,
+        "cache_n": stats.cached_tokens,
         "prompt_ms": stats.prefill_seconds * 1e3,
         "prompt_per_second": fresh / stats.prefill_seconds if stats.prefill_seconds > 0 else 0.0,
         "ttft_ms": stats.ttft_seconds * 1e3,
@@ -56,8 +56,8 @@ class Metrics:
         self.finished: dict[str, int] = {}
         self.rejected = 0
 
-    def record(self, stats: GenerationStats, cached: int, finish: str) -> None:
-        figures = timings(stats, cached)
+    def record(self, stats: GenerationStats, finish: str) -> None:
+        figures = timings(stats)
         with self.lock:
             for name, _, key in COUNTERS:
                 self.totals[name] += figures[key]

@@ -21,7 +21,6 @@ from localspec.apps.serve.requests import ApiError, fim_ids
 from localspec.base.config import GenerationLimits, SamplingConfig
 from localspec.core.prompt import PromptRefused, check_ids
 from localspec.core.stats import GenerationStats
-from localspec.runtime.kv import common_prefix
 
 FINISH_REASONS = {"eos": "stop", "stop string": "stop", "max tokens": "length", "context limit": "length"}
 
@@ -32,7 +31,8 @@ class Served:
 
     name: str
     engine: object
-    """An `Engine` (or anything with its generate / encode / tokenizer / context_len / kv_tokens.ids / stats)."""
+    """An `Engine` (or anything with its generate / encode / tokenizer / context_len); the numbers
+    come from the events `generate` yields."""
     about: str = ""
     """Proposer and dtype, and why: printed in the ready line."""
 
@@ -76,27 +76,25 @@ class Turn:
         self.service = service
         self.stop = threading.Event()
         self.queue: asyncio.Queue | None = None
-        self.cached = 0
         self.result: tuple[GenerationStats, str] | None = None
         """Final statistics and finish reason, set on the engine thread before the last item is queued."""
         self.ended = False
 
-    def begin(self, ids: list[int], cached: int, sampling: SamplingConfig, limits: GenerationLimits) -> None:
-        self.cached = cached
+    def begin(self, ids: list[int], sampling: SamplingConfig, limits: GenerationLimits) -> None:
         self.queue = asyncio.Queue()
         events = self.service.served.engine.generate(ids, sampling, limits)
         self.service.pool.submit(self._run, events, len(ids), asyncio.get_running_loop())
 
     def _run(self, events, prompt_tokens: int, loop: asyncio.AbstractEventLoop) -> None:
         """On the engine thread: every pass's event to the queue, then None (or the exception)."""
-        engine = self.service.served.engine
-        started, outcome, last = False, None, None
+        # the answer's statistics, folded from its events; before any: nothing computed, nothing cached
+        stats, outcome, last = GenerationStats(prompt_tokens=prompt_tokens), None, None
         try:
             while not self.stop.is_set():
-                started = True
                 event = next(events, None)
                 if event is None:
                     break
+                stats = event.fold(stats)
                 loop.call_soon_threadsafe(self.queue.put_nowait, event)
             else:
                 outcome = "cancelled"
@@ -106,13 +104,9 @@ class Turn:
             outcome, last = "error", exc
         finally:
             events.close()
-            if started:
-                stats = engine.stats
-            else:  # stopped before the engine ran: nothing computed, nothing found in the cache
-                stats, self.cached = GenerationStats(prompt_tokens=prompt_tokens), 0
             finish = outcome or FINISH_REASONS.get(stats.stop_reason, "stop")
-            self.service.metrics.record(stats, self.cached, finish)
-            self.service.log_generation(stats, self.cached, finish)
+            self.service.metrics.record(stats, finish)
+            self.service.log_generation(stats, finish)
             self.result = stats, finish
         if not loop.is_closed():
             loop.call_soon_threadsafe(self.queue.put_nowait, last)
@@ -172,8 +166,9 @@ class Service:
         except Exception as exc:  # the CLI's loader reports and stops the server; /health shows it
             self.failure = str(exc) or type(exc).__name__
 
-    def log_generation(self, stats: GenerationStats, cached: int, finish: str) -> None:
-        self.log(f"{finish}: {stats.prompt_tokens} prompt tokens ({cached} cached), {stats.new_tokens} generated, "
+    def log_generation(self, stats: GenerationStats, finish: str) -> None:
+        self.log(f"{finish}: {stats.prompt_tokens} prompt tokens ({stats.cached_tokens} cached), "
+                 f"{stats.new_tokens} generated, "
                  f"TTFT {stats.ttft_seconds * 1e3:.0f} ms, {stats.decode_tokens_per_second:.1f} tok/s, "
                  f"{stats.mean_tokens_per_pass:.2f} tokens/pass ({stats.proposer})")
 
@@ -212,22 +207,21 @@ class Service:
         try:
             if self.closing:
                 raise ApiError(503, "the server is shutting down")
-            ids, cached = await self.call(self._encode, prompt)
+            ids = await self.call(self._encode, prompt)
             try:
                 check_ids(ids, self.served.engine.context_len, self.served.name)
             except PromptRefused as refused:
                 raise ApiError(400, str(refused), code="context_length_exceeded" if refused.too_long else None) from None
-            turn.begin(ids, cached, sampling, limits)
+            turn.begin(ids, sampling, limits)
         except BaseException:
             turn.end()
             raise
         return turn
 
-    def _encode(self, prompt: Callable[[], list[int]]) -> tuple[list[int], int]:
-        """On the engine thread: the prompt's ids, and how many of them (all but the last, which
-        the first pass feeds) the cache already holds from the previous request."""
+    def _encode(self, prompt: Callable[[], list[int]]) -> list[int]:
+        """On the engine thread: the prompt's ids."""
         try:
             ids = prompt()
         except Exception as exc:  # e.g. a chat template that refuses this order of roles
             raise ApiError(400, f"cannot build the prompt: {exc}") from None
-        return ids, common_prefix(self.served.engine.kv_tokens.ids, ids[:-1])
+        return ids
