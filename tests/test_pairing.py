@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import CharTokenizer, tiny_model
-from localspec.store import loading, machine, measurements, proposer_catalog
+from localspec.store import machine, measurements, paths, proposer_catalog, tokenizers
 from localspec.apps import pairing
 from localspec.base.config import eagle_head_dir
 from localspec.base.errors import LocalspecError
@@ -62,9 +62,9 @@ def test_a_refused_pair_says_what_differs(draft, message):
 
 def tokenizer_of(name: str):
     entry = load_registry().get(name)
-    if not loading.is_downloaded(entry):
+    if not paths.is_downloaded(entry):
         pytest.skip(f"{name} is not on this machine (run `localspec pull {name}`)")
-    return loading.load_tokenizer(entry, progress=False)
+    return tokenizers.load_tokenizer(entry, progress=False)
 
 
 @pytest.mark.real_model
@@ -162,7 +162,7 @@ def tiny_wizard(home, monkeypatch):
 
     monkeypatch.setattr(pairing, "free_memory", lambda device: 64 * 10**9)
     monkeypatch.setattr(pairing, "load_models", load_models)
-    monkeypatch.setattr(pairing.loading, "load_tokenizer", lambda entry: FakeTokenizer(TOKENS))
+    monkeypatch.setattr(pairing.tokenizers, "load_tokenizer", lambda entry: FakeTokenizer(TOKENS))
     prompts = home / "prompts.json"
     prompts.write_text(json.dumps([{"prompt": "def add(a, b): return a + b"}, {"prompt": "x = x + 1; y = y + 1"}]))
 

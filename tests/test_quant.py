@@ -158,6 +158,7 @@ def test_auto_format_prefers_w4a8_for_4bit_then_w8a8_on_a_capable_cpu_then_keeps
 @needs_int4
 def test_quantized_cache_reloads_the_same_model_and_survives_corruption(tmp_path, monkeypatch):
     import localspec.store.loading as loading
+    from localspec.store.quantized import _quant_dir
     from localspec.store.registry import load_registry
 
     entry = load_registry().get("smollm2-135m")
@@ -166,7 +167,7 @@ def test_quantized_cache_reloads_the_same_model_and_survives_corruption(tmp_path
     with torch.no_grad():
         expected = first.model(ids).logits
     assert first.dtype == torch.bfloat16 and first.quant == "int4"
-    folder = loading._quant_dir(entry, "int4")
+    folder = _quant_dir(entry, "int4")
     assert (folder / "complete").is_file() and (folder / "quant_layout.json").is_file()
     assert list(folder.glob("cpu-layout-*.pt")), "the CPU kernel layout is cached beside the weights"
     again = loading.load_model(entry, torch.float32, quant="int4", progress=False)
@@ -183,12 +184,13 @@ def test_quantized_cache_reloads_the_same_model_and_survives_corruption(tmp_path
 @needs_w8a8
 def test_w8a8_runs_the_int8_cache_and_speculation_reproduces_its_greedy_output():
     import localspec.store.loading as loading
+    from localspec.store.quantized import _quant_dir
     from localspec.store.registry import load_registry
 
     entry = load_registry().get("smollm2-135m")
     loaded = loading.load_model(entry, torch.bfloat16, quant="w8a8", progress=False)
     assert loaded.quant == "w8a8" and loaded.dtype == torch.float32
-    assert (loading._quant_dir(entry, "int8") / "complete").is_file(), "w8a8 reads the int8 weights' cache"
+    assert (_quant_dir(entry, "int8") / "complete").is_file(), "w8a8 reads the int8 weights' cache"
     layers = [m for m in loaded.model.modules() if isinstance(m, W8A8Linear)]
     assert len(layers) == 30 * 7 + 1  # every projection and the output layer
     wait_for_packing(loaded.model)

@@ -208,12 +208,13 @@ def test_auto_takes_w4a8_for_a_4bit_model_on_a_cpu_that_builds_it():
 @needs_kernel
 def test_w4a8_runs_the_int4_cache_from_stored_blocks_and_speculation_reproduces_its_greedy_output():
     import localspec.store.loading as loading
+    from localspec.store.quantized import _quant_dir
     from localspec.store.registry import load_registry
 
     entry = load_registry().get("smollm2-135m")
     loaded = loading.load_model(entry, torch.bfloat16, quant="w4a8", progress=False)
     assert loaded.quant == "w4a8" and loaded.dtype == torch.float32
-    folder = loading._quant_dir(entry, "int4")
+    folder = _quant_dir(entry, "int4")
     blocks_file = folder / quantization.W4A8_LAYOUT
     assert blocks_file.is_file(), "the kernel's blocks are stored beside the int4 weights"
     layers = [m for m in loaded.model.modules() if isinstance(m, cpu_w4a8.W4A8Linear)]

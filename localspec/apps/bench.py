@@ -26,7 +26,8 @@ from localspec.runtime.costs import CALIBRATION_PREFIX, time_forward
 from localspec.base.errors import LocalspecError
 from localspec.core.stats import GenerationStats
 from localspec.apps.llamacpp import LlamaCpp, measured_run, ratios
-from localspec.store.loading import ensure_gguf, load_tokenizer
+from localspec.store.gguf_mirror import ensure_gguf
+from localspec.store.tokenizers import load_tokenizer
 from localspec.store.proposer_catalog import choose_proposer
 from localspec.store.registry import load_registry
 from localspec.store.session import describe_weights, draft_entry_for, load_models, make_engine

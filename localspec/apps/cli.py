@@ -204,14 +204,14 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_models(args: argparse.Namespace) -> int:
-    from localspec.store import hub, loading
+    from localspec.store import hub, paths
 
     registry = load_registry()
     print(f"{'name':20} {'arch':6} {'params':>7} {'download':>9} {'on disk':>15}  about")
     for name, entry in registry.models.items():
         on_disk = hub.disk_size(entry)
         local = f"{on_disk / 1e9:.2f} GB" if on_disk else "-"
-        if on_disk and not loading.is_downloaded(entry):
+        if on_disk and not paths.is_downloaded(entry):
             local += " partial"
         about = [entry.display]
         if name == registry.default:

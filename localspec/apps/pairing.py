@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from localspec.store import hub, loading, proposer_catalog
+from localspec.store import hub, loading, paths, proposer_catalog, tokenizers
 from localspec.apps.bench import load_prompts, localspec_answer, machine_info
 from localspec.base.config import SpecConfig
 from localspec.base.errors import LocalspecError
@@ -81,7 +81,7 @@ def pair(
             say(f"draft {name}: needs {need / 1e9:.1f} GB beside the target, {memory / 1e9:.1f} GB free; skipped")
             continue
         _ensure_downloaded(draft, offline)
-        refused = check_tokenizers(entry.name, loading.load_tokenizer(entry), name, loading.load_tokenizer(draft))
+        refused = check_tokenizers(entry.name, tokenizers.load_tokenizer(entry), name, tokenizers.load_tokenizer(draft))
         if refused:
             say(f"{refused}; skipped")
             continue
@@ -109,7 +109,7 @@ def pair(
 
 def _ensure_downloaded(entry: ModelEntry, offline: bool) -> None:
     # any local copy will do: measuring needs weights, not the hub's copy in particular
-    if not loading.is_downloaded(entry):
+    if not paths.is_downloaded(entry):
         hub.pull(entry, offline=offline)
 
 
@@ -125,7 +125,7 @@ def _pick_target(registry: Registry, target: str | None, memory: int, say, ask) 
     if not fits:
         raise LocalspecError(f"no registered model fits in the {memory / 1e9:.1f} GB free")
     for i, e in enumerate(fits, 1):
-        mark = "downloaded" if loading.is_downloaded(e) else f"{e.size / 1e9:.1f} GB to download"
+        mark = "downloaded" if paths.is_downloaded(e) else f"{e.size / 1e9:.1f} GB to download"
         say(f"  {i}. {e.name:22} {e.params:5.2f}B  {mark}")
     if ask is None:
         raise LocalspecError(f"name a target: localspec pair NAME (fits here: {', '.join(e.name for e in fits)})")

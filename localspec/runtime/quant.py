@@ -143,7 +143,7 @@ def prepare_for_cpu(model: torch.nn.Module, layout_file: Path) -> None:
         # torch's own format: every tensor starts 64-byte aligned; read eagerly, since every byte is
         # used at once (faulting a memory map in page by page measured 4x slower)
         stored = torch.load(layout_file, weights_only=True)
-    except FileNotFoundError:  # not made yet, or removed by a cleanup since (loading.discard_unused)
+    except FileNotFoundError:  # not made yet, or removed by a cleanup since (cleanup.discard_unused)
         stored = None
     if stored is not None:
         for name, m in int4.items():

