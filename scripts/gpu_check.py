@@ -20,7 +20,6 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 from localspec.runtime.attention import use_exact_attention
 from localspec.base.config import GenerationLimits
 from localspec.runtime.costs import time_forward
-from localspec.runtime.decoder import use_exact_pass
 from localspec.core.engine import Engine
 from localspec.runtime.graphs import GraphRunner
 from localspec.runtime.kv import KVCache
@@ -59,7 +58,7 @@ def time_replays(model: torch.nn.Module, widths: tuple[int, ...], context: int, 
             ids = torch.randint(0, vocab, (1, width), generator=gen)
             torch.cuda.synchronize()
             start = time.perf_counter()
-            logits = runner.run(kv, ids, torch.arange(context, context + width)[None], None, keep=width)
+            logits = runner.run(kv, ids, torch.arange(context, context + width)[None], None, logit_rows=width)
             torch.cuda.synchronize()
             if logits is None:
                 raise RuntimeError(runner.off or "the runner left the pass to the eager path")
@@ -73,7 +72,7 @@ def decode_tok_s(model: torch.nn.Module, graphs: bool) -> tuple[float, list[str]
     """Plain decoding through the engine: tokens per second, and its notices."""
     engine = Engine(model, None, None)
     if not graphs:
-        engine.graphs = None
+        engine.target_pass.graphs = None
     prompt = list(range(100, 228))
     for _ in engine.generate(prompt, limits=GenerationLimits(8)):  # warm-up: compiles, captures
         pass
@@ -91,7 +90,6 @@ def main() -> None:
         for attention in ("sdpa", "exact", "graphs"):
             if attention == "exact":
                 use_exact_attention(model)
-                use_exact_pass(model)  # the lean pass, as generation runs it
             for context in (128, 1024):
                 try:
                     costs = (time_replays if attention == "graphs" else time_forward)(model, (1, 16), repeats=3, context=context)

@@ -62,7 +62,7 @@ def test_speculation_over_an_nf4_target_is_its_own_greedy_output():
         "none": (None, SpecConfig()),
         "ngram": (NgramProposer(), SpecConfig()),
         "draft (nf4)": (DraftModelProposer(nf4_model(seed=1)), SpecConfig(draft_len=4)),
-        "eagle": (EagleProposer(random_head(target, 3, draft_vocab=64), target, costs, top_k=4, depth=3), SpecConfig()),
+        "eagle": (EagleProposer(random_head(target, 3, draft_vocab=64), target, top_k=4, depth=3), SpecConfig()),
     }
     for name, (proposer, spec) in proposers.items():
         engine = Engine(target, None, proposer, spec, costs=costs)

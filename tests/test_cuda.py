@@ -37,7 +37,7 @@ def test_sampling_runs_on_the_device_with_every_proposer():
     head = random_head(target, 3, draft_vocab=64).to(CUDA)
     target = on_gpu(target, torch.float32)  # float32 like the head; the crash was about devices
     for proposer in (None, NgramProposer(), DraftModelProposer(on_gpu(tiny_model("llama", seed=1), torch.float32)),
-                     EagleProposer(head, target, COSTS, top_k=4, depth=3)):
+                     EagleProposer(head, target, top_k=4, depth=3)):
         engine = Engine(target, None, proposer, SpecConfig(), costs=COSTS)
         sampling = SamplingConfig(temperature=0.8, top_p=0.95, seed=3)
         first = [p.token_id for ev in engine.generate(PROMPT_IDS, sampling, GenerationLimits(24)) for p in ev.pieces]
@@ -94,13 +94,14 @@ def test_a_graph_replay_gives_the_eager_logits_bit_for_bit():
     """The same kernels on the same values: chain passes of 1 and 4 rows and a tree pass, replayed
     from captured graphs, against eager lean passes (which build their own row tables)."""
     from localspec.runtime.attention import RowPlan
-    from localspec.runtime.decoder import lean_forward, use_exact_pass
+    from localspec.runtime.attention import use_exact_attention
+    from localspec.runtime.decoder import lean_forward
     from localspec.runtime.graphs import GraphRunner
     from localspec.runtime.kv import KVCache
     from localspec.core.tree import Draft, verify_inputs, visible_rows
 
     target = on_gpu(tiny_model("llama", layers=4))
-    use_exact_pass(target)
+    use_exact_attention(target)
     runner = GraphRunner(target)
     caches = []
     for _ in range(2):
@@ -114,7 +115,7 @@ def test_a_graph_replay_gives_the_eager_logits_bit_for_bit():
             past = len(replayed)
             ids, positions, mask = verify_inputs(draft, 7 + round_, past)
             plan = None if mask is None else RowPlan.from_rows(past, visible_rows(draft), CUDA)
-            got = runner.run(replayed, ids, positions, plan, keep=ids.shape[1])
+            got = runner.run(replayed, ids, positions, plan, logit_rows=ids.shape[1])
             expected = lean_forward(target, ids.to(CUDA), eager.cache, position_ids=positions.to(CUDA), row_plan=plan)[0]
             assert got is not None, runner.off
             assert torch.equal(got, expected), (round_, len(draft))
@@ -133,9 +134,9 @@ def test_greedy_identity_with_and_without_graphs(dtype):
     for graphs in (True, False):
         for proposer in (None, NgramProposer(), DraftModelProposer(on_gpu(tiny_model("llama", seed=1), dtype))):
             engine = Engine(target, None, proposer, SpecConfig(draft_len=4))
-            runner = engine.graphs
+            runner = engine.target_pass.graphs
             if not graphs:
-                engine.graphs = None
+                engine.target_pass.graphs = None
             got = [p.token_id for ev in engine.generate(PROMPT_IDS, limits=GenerationLimits(48)) for p in ev.pieces]
             assert got == expected, (graphs, proposer)
-            assert not graphs or (engine.graphs is runner and runner.passes), engine.stats.notices
+            assert not graphs or (engine.target_pass.graphs is runner and runner.passes), engine.stats.notices

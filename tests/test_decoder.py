@@ -1,14 +1,17 @@
-"""The lean decode/verify pass against transformers' forward (its reference), bit for bit."""
+"""The lean decode/verify pass against transformers' forward (its reference), bit for bit, and which
+of the two a `TargetPass` runs."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from conftest import tiny_model
+from conftest import VOCAB, tiny_model
 
-from localspec.runtime.attention import RowPlan, use_exact_attention
-from localspec.runtime.decoder import lean_forward, unsupported_reason, use_lean_forward
+from localspec.runtime import target_pass
+from localspec.runtime.attention import NAME as EXACT_ATTENTION, ROW_BY_ROW_UP_TO, RowPlan, use_exact_attention
+from localspec.runtime.decoder import lean_forward, unsupported_reason
 from localspec.runtime.kv import KVCache
+from localspec.runtime.target_pass import TargetPass
 from localspec.core.tree import Draft, verify_inputs, visible_rows
 
 
@@ -59,25 +62,22 @@ def test_tree_pass_matches_transformers_with_mask_or_plan(arch):
     assert torch.equal(from_plan, expected)
 
 
-def test_installed_forward_routes_generation_passes_and_leaves_the_rest(arch, monkeypatch):
+def test_the_target_pass_takes_the_lean_pass_for_short_passes_and_transformers_for_the_rest(arch, monkeypatch):
     model = tiny_model(arch)
-    use_exact_attention(model)
-    assert use_lean_forward(model) and use_lean_forward(model)  # idempotent
+    target = TargetPass(model)
+    assert model.config._attn_implementation == EXACT_ATTENTION and target.lean and target.name == EXACT_ATTENTION + "+lean"
+    assert model.forward.__func__ is type(model).forward  # the model's own forward is left as it is
     calls = []
-    import localspec.runtime.decoder as decoder
-
-    real = decoder.lean_forward
-    monkeypatch.setattr(decoder, "lean_forward", lambda *a, **k: calls.append(k["input_ids"].shape) or real(*a, **k))
-    kv, tokens = prefilled(model)  # 20 tokens: a short pass, lean
-    assert calls == [(1, 20)]
+    real = target_pass.lean_forward
+    monkeypatch.setattr(target_pass, "lean_forward", lambda *a, **k: calls.append(a[1].shape) or real(*a, **k))
+    kv = KVCache()
     with torch.inference_mode():
-        out = model(input_ids=torch.tensor([[4]]), cache=kv.cache, use_cache=True, logits_to_keep=1)
-        assert out.logits.shape == (1, 1, model.config.vocab_size)
-        model(input_ids=torch.tensor([[4]]), cache=kv.cache, use_cache=True, output_hidden_states=True)
-        model(input_ids=torch.tensor([[i % 90 for i in range(130)]]), use_cache=False)  # no cache: transformers
-        model.generate(torch.tensor([[1, 2, 3]]), attention_mask=torch.ones(1, 3, dtype=torch.long), max_new_tokens=2,
-                       do_sample=False)
-    assert calls == [(1, 20), (1, 1)]
+        target(kv, torch.tensor([list(range(20))]), torch.arange(20)[None], logit_rows=1)  # a short prompt: lean
+        logits = target(kv, torch.tensor([[4]]), torch.tensor([[20]]), logit_rows=1)
+        assert logits.shape == (1, model.config.vocab_size)
+        long = torch.tensor([[i % 90 for i in range(ROW_BY_ROW_UP_TO + 2)]])
+        target(kv, long, torch.arange(21, 21 + long.shape[1])[None], logit_rows=1)  # a long prompt chunk: transformers
+    assert calls == [(1, 20), (1, 1)] and len(kv) == 21 + long.shape[1]
 
 
 def test_norm_hooks_fire_as_in_transformers(arch):
@@ -96,14 +96,16 @@ def test_norm_hooks_fire_as_in_transformers(arch):
         assert torch.equal(reference, lean)
 
 
-def test_unsupported_models_keep_transformers_forward():
+def test_unsupported_models_keep_transformers_forward(monkeypatch):
     model = tiny_model("qwen2")
     model.config.layer_types = ["sliding_attention", "full_attention"]
     assert "sliding" in unsupported_reason(model)
-    use_exact_attention(model)
-    assert not use_lean_forward(model)
     windowed = tiny_model("llama")
     windowed.config.sliding_window = 16  # a Mistral-style window, no layer_types to say otherwise
     assert "sliding" in unsupported_reason(windowed)
-    plain = tiny_model("llama")  # not on the row-exact attention: the lean pass would not match it
-    assert unsupported_reason(plain) is None and not use_lean_forward(plain)
+    assert not TargetPass(model).lean
+    monkeypatch.setattr(target_pass, "lean_forward", lambda *a, **k: pytest.fail("the lean pass ran"))
+    target = TargetPass(windowed)
+    assert not target.lean and target.name == EXACT_ATTENTION
+    with torch.inference_mode():
+        assert target(KVCache(), torch.tensor([[1, 2, 3]]), torch.arange(3)[None], logit_rows=1).shape == (1, VOCAB)

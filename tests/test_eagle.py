@@ -89,7 +89,7 @@ def test_greedy_output_equals_plain_greedy(arch, version):
     head = random_head(target, version, draft_vocab=64 if version == 3 else None)
     expected = hf_greedy(target, PROMPT_IDS, 40)
     for settings in [dict(top_k=4, nodes=10, depth=3), dict(top_k=1, nodes=4, depth=4), dict()]:
-        proposer = EagleProposer(head, target, costs=CHEAP_WIDE_PASSES, **settings)
+        proposer = EagleProposer(head, target, **settings)
         engine = Engine(target, None, proposer, SpecConfig(), costs=CHEAP_WIDE_PASSES)
         assert generate(engine, PROMPT_IDS, 40) == expected, settings
         # a second turn reuses both caches (target and head) and stays exact

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import random
-import time
 
 import pytest
 import torch
@@ -81,27 +80,40 @@ def test_model_proposers_carry_prompt_lookup_and_stay_exact(arch, draft_len):
         assert (engine.stats.lookup_accepted > 0) == lookup
 
 
+class FakeClock:
+    """Seconds that pass only when a test says so (and a millisecond per reading), so that what
+    the policy decides from measured times cannot depend on the machine's speed."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        self.now += 1e-3
+        return self.now
+
+
 def test_a_lookup_expected_to_pay_more_skips_the_model(arch):
     target = tiny_model(arch, seed=0)
     expected = hf_greedy(target, LOOPING_PROMPT, 40)
     calls = []
+    clock = FakeClock()
 
     class SlowDraft(DraftModelProposer):
         def propose(self, tokens, *args, **kw):
             calls.append(len(tokens))
-            time.sleep(0.05)
+            clock.now += 0.05  # the model takes 50 ms a pass
             return super().propose(tokens, *args, **kw)
 
     # verify passes measured at a millisecond: a lookup guess alone beats a model taking 50 ms a pass
     fast_passes = CostModel({1: 1e-3, 2: 1.05e-3, 4: 1.1e-3, 8: 1.3e-3, 16: 2e-3}, draft_step_seconds=1e-4)
-    engine = Engine(target, None, SlowDraft(tiny_model(arch, seed=2)), SpecConfig(), costs=fast_passes)
+    engine = Engine(target, None, SlowDraft(tiny_model(arch, seed=2)), SpecConfig(), costs=fast_passes, clock=clock)
     engine.policy.guard = None  # against millisecond passes the slow model would pause speculation altogether
     assert run(engine, LOOPING_PROMPT, 40) == expected
     assert engine.stats.lookup_passes > 0
     assert len(calls) + engine.stats.lookup_passes >= engine.stats.passes - 1  # the last pass may have no room
-    # passes measured at a second: the (real-time) model pass always pays more, so it drafts every pass
+    # passes measured at a second: the model's 50 ms pass always pays more, so it drafts every pass
     slow_passes = CostModel({1: 1.0, 2: 1.05, 4: 1.1, 8: 1.3, 16: 2.0}, draft_step_seconds=0.1)
-    engine = Engine(target, None, SlowDraft(tiny_model(arch, seed=2)), SpecConfig(), costs=slow_passes)
+    engine = Engine(target, None, SlowDraft(tiny_model(arch, seed=2)), SpecConfig(), costs=slow_passes, clock=clock)
     assert run(engine, LOOPING_PROMPT, 40) == expected
     assert engine.stats.lookup_passes == 0
 

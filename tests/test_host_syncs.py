@@ -52,7 +52,7 @@ def proposers(target):
     yield "draft", DraftModelProposer(tiny_model("llama", seed=1)), SpecConfig(draft_len=6)
     yield "draft+lookup tree", DraftModelProposer(tiny_model("llama", seed=1)), SpecConfig()
     head = random_head(target, 3, draft_vocab=64)
-    yield "eagle tree", EagleProposer(head, target, CHEAP_WIDE_PASSES, top_k=4, depth=4), SpecConfig()
+    yield "eagle tree", EagleProposer(head, target, top_k=4, depth=4), SpecConfig()
 
 
 @pytest.mark.parametrize("sampling", [SamplingConfig(), SamplingConfig(temperature=0.8, top_k=20, seed=1)], ids=["greedy", "sampled"])

@@ -111,15 +111,15 @@ def test_lookup_alone_beats_the_model_only_on_evidence_and_measured_rates():
     assert not policy.lookup_alone_pays(guess)  # the model's rate is not measured yet
     # the model drafted a pass: 4 tokens in 0.2 s, twice what a plain pass of 0.1 s makes
     model = Draft.chain([1, 2, 3], confidences=[0.9, 0.9, 0.9])
-    policy.judge(Proposal(model, model=model), [1, 2, 3], 0.2)
+    policy.learn(Proposal(model, model=model), [1, 2, 3], 0.2)
     assert policy.model_rate.value == pytest.approx(20.0)
     assert not policy.lookup_alone_pays(guess)  # the lookup's label was never seen right
     for _ in range(5):  # the grafted branch gathers evidence: the lookup's guesses come through
-        policy.judge(Proposal(guess, model=Draft.chain([]), lookup=guess), guess.tokens, 1.0)
+        policy.learn(Proposal(guess, model=Draft.chain([]), lookup=guess), guess.tokens, 1.0)
     assert policy.lookup_alone_pays(guess)
     # a model measured far faster than a lookup pass can be: the model drafts
     for _ in range(50):
-        policy.judge(Proposal(Draft.chain([1]), model=Draft.chain([1], confidences=[0.9])), [1], 1e-3)
+        policy.learn(Proposal(Draft.chain([1]), model=Draft.chain([1], confidences=[0.9])), [1], 1e-3)
     assert not policy.lookup_alone_pays(guess)
 
 
@@ -131,7 +131,7 @@ def test_lookup_length_fixed_measured_or_default():
     policy = DraftPolicy(SpecConfig(max_draft_len=8), costs)
     assert policy.lookup_len("ngram-3", 10) == best_draft_len(costs, 0.6, 8, free=True) > 0
     for _ in range(30):  # a label that is always wrong is not worth a wider pass
-        policy.judge(Proposal(lookup_guess(4), lookup=lookup_guess(4)), [99], 0.1)
+        policy.learn(Proposal(lookup_guess(4), lookup=lookup_guess(4)), [99], 0.1)
     assert policy.lookup_len("ngram-3", 10) == 0
 
 
@@ -139,25 +139,43 @@ def test_a_chain_model_stops_where_the_next_guess_does_not_pay():
     # a draft step costs 30% of a pass and each verified token another 30%
     costs = CostModel({1: 1.0, 2: 1.3, 4: 1.9}, draft_step_seconds=0.3)
     policy = DraftPolicy(SpecConfig(), costs)
-    assert policy.stop_rule == policy.worth_another
-    assert policy.worth_another([0.95]) and policy.worth_another([0.95, 0.95])  # confident guesses pay
-    assert not policy.worth_another([0.95, 0.01])  # an unsure one does not
+    assert policy.another_guess([0.95]) and policy.another_guess([0.95, 0.95])  # confident guesses pay
+    assert not policy.another_guess([0.95, 0.01])  # an unsure one does not
     # bins learn: a confident bin whose guesses are always rejected stops being drafted
     for _ in range(30):
-        policy.judge(Proposal(Draft.chain([1]), model=Draft.chain([1], confidences=[0.95])), [], 1.0)
-    assert not policy.worth_another([0.95])
-    assert DraftPolicy(SpecConfig(draft_len=3), costs).stop_rule is None  # a fixed length drafts it all
-    assert DraftPolicy(SpecConfig(), None).stop_rule is None
+        policy.learn(Proposal(Draft.chain([1]), model=Draft.chain([1], confidences=[0.95])), [], 1.0)
+    assert not policy.another_guess([0.95])
+    assert DraftPolicy(SpecConfig(draft_len=3), costs).another_guess([0.95, 0.01])  # a fixed length drafts it all
+    assert DraftPolicy(SpecConfig(), None).another_guess([0.95, 0.01])
 
 
-def test_judge_credits_each_part_of_a_proposal():
+def test_a_tree_is_sized_by_the_policy_from_its_measured_levels_and_calibration():
+    costs = CostModel({1: 1.0, 2: 1.02, 4: 1.05, 8: 1.1, 16: 1.3}, 0.0)
+    policy = DraftPolicy(SpecConfig(), costs)
+    probs = [0.9, 0.6, 0.3, 0.2, 0.1, 0.05]
+    assert policy.tree_nodes(probs, 2, 16) == best_node_count(costs, probs, 0.0, 16)
+    assert policy.another_level(probs, 6, [0.3, 0.2], 2, 16)  # a level never timed: draft it, and time it
+    policy.timed_level(2.0)
+    assert policy.tree_nodes(probs, 2, 16) == best_node_count(costs, probs, 4.0, 16)
+    assert not policy.another_level(probs, 6, [0.3, 0.2], 2, 16)  # two seconds a level: no deeper
+    assert not deeper_pays(costs, probs, 6, [0.3, 0.2], 2, 2.0, 16)
+    # a head whose trees are never accepted: its path probabilities count for less, so trees shrink
+    tree = Draft([1, 2, 3], [-1, 0, -1], confidences=[0.9, 0.5, 0.6])
+    for _ in range(20):
+        policy.learn(Proposal(tree, model=tree, tree=True), [], 1.0)
+    assert policy.tree_calibration.value < 0.1
+    assert policy.tree_nodes(probs, 1, 16) < best_node_count(costs, probs, 2.0, 16)
+    assert DraftPolicy(SpecConfig(), None).tree_nodes(probs, 3, 4) == 4  # unmeasured: every node that fits
+
+
+def test_learn_credits_each_part_of_a_proposal():
     policy = DraftPolicy(SpecConfig(), CostModel({1: 0.1}))
     own = Draft.chain([1, 2, 3], confidences=[0.9, 0.9, 0.9])
     lookup = Draft.chain([1, 2, 7], label="ngram-2")
-    assert policy.judge(Proposal(own, model=own, lookup=lookup), [1, 2, 3], 1.0) == 3
+    assert policy.learn(Proposal(own, model=own, lookup=lookup), [1, 2, 3], 1.0) == 3
     # the lookup: 2 right, then 1 wrong; its evidence starts from nothing
     assert policy.lookup_acceptance["ngram-2"].rate == pytest.approx((0.9 * 0.6 * 3 + 2) / (0.9 * 3 + 3))
     assert policy.lookup_evidence["ngram-2"].rate == pytest.approx(2 / (0.9 * 3 + 3))
     assert policy.by_confidence[9].rate > 0.975  # the model's three guesses, each right
     assert policy.model_rate.value == pytest.approx(4.0)
-    assert policy.judge(Proposal(lookup, lookup=lookup), [1, 2], 1.0) is None  # no model part
+    assert policy.learn(Proposal(lookup, lookup=lookup), [1, 2], 1.0) is None  # no model part

@@ -67,8 +67,8 @@ def proposers(target: torch.nn.Module, arch: str) -> dict:
         "ngram": NgramProposer(),
         "self draft": DraftModelProposer(target),
         "other draft": DraftModelProposer(tiny_model(arch, seed=1)),
-        "eagle-1 tree": EagleProposer(random_head(target, 1), target, costs=CHEAP_WIDE_PASSES, top_k=4, nodes=10, depth=3),
-        "eagle-3": EagleProposer(random_head(target, 3, draft_vocab=64), target, costs=CHEAP_WIDE_PASSES),
+        "eagle-1 tree": EagleProposer(random_head(target, 1), target, top_k=4, nodes=10, depth=3),
+        "eagle-3": EagleProposer(random_head(target, 3, draft_vocab=64), target),
     }
 
 

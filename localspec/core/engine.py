@@ -1,14 +1,23 @@
-"""The speculative decoding loop: prefill -> (propose -> verify in one pass -> accept -> roll back)*.
+"""The speculative decoding loop: prefill, then one `_speculative_step` per target pass.
 
 Invariant: the target's KV cache holds every committed token but the last; that last token (the
 root) is fed again at the head of the next verify pass, together with the draft, so every pass
 both checks the draft and yields the target's own next token.
+
+The step, read top to bottom in one function: plan (the draft policy decides whether to draft,
+prompt lookup's guess alone or the model's chain / tree with the guess grafted in, and every size),
+one target pass over [root] + draft (`runtime/target_pass.py`), the acceptance rule (`verify`),
+commit (the cache keeps the root and the accepted path, the proposer observes which entries
+stayed), learn (the policy credits each part's guesses). Words: a draft's nodes are "guesses";
+the ones the target agrees with are "accepted"; the target's own token after them ends every pass.
+An out-of-memory pass is retried with half the nodes (and drafts stay that small); a pass cut short
+puts the cache back to the committed tokens; a proposer that fails is dropped with a notice.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -16,17 +25,17 @@ import torch
 from localspec.runtime.attention import RowPlan
 from localspec.base.config import GenerationLimits, SamplingConfig, SpecConfig
 from localspec.runtime.costs import CostModel
-from localspec.runtime.decoder import use_exact_pass
-from localspec.base.errors import LocalspecError, is_out_of_memory
-from localspec.runtime.graphs import GraphRunner, capacity
-from localspec.runtime.kv import CachedTokens, KVCache, common_prefix
+from localspec.base.errors import is_out_of_memory
+from localspec.runtime.kv import CachedTokens, common_prefix
 from localspec.core.policy import DraftPolicy, Proposal
+from localspec.core.prompt import chat_ids, check_ids, check_text
 from localspec.core.proposers.base import Proposer
 from localspec.core.proposers.ngram import NgramProposer
 from localspec.runtime.quant import prompt_pass
+from localspec.runtime.target_pass import TargetPass
 from localspec.core.sampling import make_generator
 from localspec.core.stats import GenerationStats, Opening, PassFigures
-from localspec.core.tree import Draft, graft, verify_inputs, visible_rows
+from localspec.core.tree import Draft, verify_inputs, visible_rows
 from localspec.core.verify import verify
 
 PREFILL_CHUNK = 512
@@ -152,25 +161,26 @@ class Engine:
         costs: CostModel | None = None,
         context_len: int | None = None,
         proposer_reason: str = "",
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.model = model
-        use_exact_pass(model)  # verify passes must compute each row as plain decoding would
         self.tokenizer = tokenizer
         self.proposer = proposer
         self.costs = costs
         self.context_len = context_len or model.config.max_position_embeddings
         self.proposer_reason = proposer_reason
-        self.device = next(model.parameters()).device
         self.eos = eos_ids(model, tokenizer) if tokenizer is not None else set()
-        # on CUDA, decode and verify passes replay from CUDA graphs, over a cache that keeps its buffers
-        self.graphs = GraphRunner(model) if self.device.type == "cuda" else None
-        self.kv = KVCache(capacity(self.context_len) if self.graphs else 0)
+        self.target_pass = TargetPass(model, notify=lambda notice: self.stats.notices.append(notice))
+        self.device = self.target_pass.device
+        self.kv = self.target_pass.new_cache(self.context_len)
         self.kv_tokens = CachedTokens(self.kv.truncate)
         # a model proposer also carries prompt lookup's guesses: free, and right where text repeats
         self.lookup = NgramProposer(spec.ngram_min, spec.ngram_max) if spec.lookup and proposer is not None and proposer.has_model else None
         self.policy = DraftPolicy(spec, costs)
         self.max_nodes = 64
         """Most draft nodes per pass; halved when a wide pass runs out of memory."""
+        self.clock = clock
+        """Seconds, for the figures the policy decides by (a test gives a clock of its own)."""
         self.stats = GenerationStats()
 
     @property
@@ -185,121 +195,29 @@ class Engine:
 
     def encode(self, prompt: str | list[dict], system: str | None = None) -> list[int]:
         """A prompt string or a list of chat messages -> token ids through the chat template."""
-        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
-        if system and not any(m.get("role") == "system" for m in messages):
-            messages.insert(0, {"role": "system", "content": system})
-        if getattr(self.tokenizer, "chat_template", None):
-            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-            if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
-                ids = ids["input_ids"]
-            return list(ids)
-        return self.tokenizer.encode("\n".join(m["content"] for m in messages))
+        return chat_ids(self.tokenizer, prompt, system)
 
-    # -- target passes --------------------------------------------------------------------------
+    # -- the step --------------------------------------------------------------------------------
 
-    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None, keep: int,
-                 plan: RowPlan | None = None):
-        """One target forward; if it is cut short (Ctrl-C, out of memory) the cache is put back to
-        exactly the committed tokens, so the next pass or the next prompt starts from a sound state."""
-        try:
-            return self._forward_unguarded(ids, positions, mask, keep, plan)
-        except BaseException:
-            self.kv_tokens.restore()
-            raise
-
-    def _forward_unguarded(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None, keep: int,
-                           plan: RowPlan | None):
-        if self.graphs is not None:
-            logits = self.graphs.run(self.kv, ids, positions, plan, keep)  # None: this pass runs eagerly
-            if self.graphs.off:
-                self.stats.notices.append(self.graphs.off)
-                self.graphs = None
-            if logits is not None:
-                return logits
-        out = self.model(
-            input_ids=ids.to(self.device),
-            position_ids=positions.to(self.device),
-            attention_mask=None if mask is None else mask.to(self.device),
-            cache=self.kv.cache,
-            use_cache=True,
-            logits_to_keep=keep,
-            row_plan=plan,  # a tree pass: which keys each row sees, so the attention reads nothing back
-        )
-        return out.logits[0]  # (keep, V)
-
-    def _prefill(self, tokens: list[int]) -> None:
-        """Bring the cache to hold tokens[:-1], reusing the longest prefix it already holds."""
-        target = tokens[:-1]
-        keep = self.kv_tokens.follow(target)
-        for start in range(keep, len(target), PREFILL_CHUNK):
-            chunk = target[start : start + PREFILL_CHUNK]
-            ids = torch.tensor([chunk], dtype=torch.long)
-            positions = torch.arange(start, start + len(chunk))[None]
-            with prompt_pass():
-                self._forward(ids, positions, None, keep=1)
-            self.kv_tokens.extend(chunk)
-            self._observe(start, None)
-
-    def _propose(self, tokens: list[int], room: int, sampling: SamplingConfig, generator) -> Proposal:
-        """This pass's guesses: at most room - 1 tokens, so the pass's own token fits too."""
-        limit = min(room - 1, self.max_nodes)
-        if self.proposer is None or limit <= 0 or not self.policy.allows:
-            return Proposal(Draft.chain([]))
-        try:
-            if not self.proposer.has_model:
-                guess = self._lookup_guess(self.proposer, tokens, limit, sampling, generator)
-                return Proposal(guess, lookup=guess)
-            guess = self._lookup_guess(self.lookup, tokens, limit, sampling, generator) if self.lookup else Draft.chain([])
-            if len(guess) and self.policy.lookup_alone_pays(guess):
-                self.stats.lookup_passes += 1
-                return Proposal(guess, lookup=guess)
-            wanted = self.policy.model_len(limit - len(guess), self.proposer.builds_trees)
-            own = self.proposer.propose(tokens, wanted, sampling, generator, self.policy.stop_rule) if wanted > 0 else Draft.chain([])
-            return Proposal(graft(own, guess.tokens), model=own, lookup=guess if len(guess) else None)
-        except Exception as exc:  # a broken proposer must not end the stream: go on plainly
-            self.stats.notices.append(f"proposer failed ({exc!r}); continuing with plain decoding")
-            self.proposer.close()
-            self.proposer = self.lookup = None
-            return Proposal(Draft.chain([]))
-
-    def _lookup_guess(self, lookup: Proposer, tokens: list[int], limit: int, sampling: SamplingConfig, generator) -> Draft:
-        """A lookup guesses as far as it can for free; keep the prefix that pays for its label."""
-        guess = lookup.propose(tokens, self.policy.chain_limit(limit), sampling, generator)
-        return guess.first(self.policy.lookup_len(guess.label, len(guess)))
-
-    def _credit(self, proposal: Proposal, accepted: list[int], seconds: float) -> None:
-        """The policy, the proposer and the statistics learn whose guesses the pass accepted."""
-        own = self.policy.judge(proposal, accepted, seconds)
-        if proposal.model is not None:
-            self.stats.lookup_accepted += len(accepted) - own
-            self.stats.draft_steps += proposal.model.steps if proposal.model.steps is not None else len(proposal.model)
-            if self.proposer is not None:
-                self.proposer.judged(own)
-        elif self.proposer is not None and self.proposer.has_model:
-            self.stats.lookup_accepted += len(accepted)  # the lookup's guess was verified alone
-
-    def _observe(self, start: int, kept: list[int] | None) -> None:
-        if self.proposer is None:
-            return
-        try:
-            self.proposer.observe(start, kept)
-        except Exception as exc:  # as in _propose: the answer goes on without the proposer
-            self.stats.notices.append(f"proposer failed ({exc!r}); continuing with plain decoding")
-            self.proposer.close()
-            self.proposer = None
-
-    def _verify_pass(self, tokens: list[int], draft: Draft, sampling: SamplingConfig, generator):
-        """One target pass over root + draft; returns (draft actually verified, verdict).
-
-        A pass that runs out of memory is retried with half the nodes, and later drafts stay that
-        small: the answer goes on, only slower.
-        """
-        past = len(self.kv)
+    def _speculative_step(self, tokens: list[int], room: int, sampling: SamplingConfig, generator) -> tuple[list[int], int]:
+        """One target pass, top to bottom: plan the draft, verify it and take the target's own next
+        token in the same pass, commit what was accepted, learn. Returns the accepted guesses and
+        the target's token (room: tokens the answer may still take)."""
+        started = self.clock()
+        past = len(self.kv)  # every committed token but the last, the root
+        if self.costs is not None:
+            self.costs.context = past  # the costs that size this pass's draft are read here
+        # 1. plan: the policy decides lookup or model and the draft's size; the pass's own token needs room too
+        proposal = self._guarded(self.policy.plan, Proposal(Draft.chain([])), self.proposer, self.lookup, tokens,
+                                 min(room - 1, self.max_nodes), sampling, generator)
+        drafted = self.clock()
+        # 2. one target pass over [root] + draft; out of memory: half the nodes, now and from then on
+        draft = proposal.draft
         while True:
-            ids, positions, mask = verify_inputs(draft, tokens[-1], past)
+            ids, positions, mask = verify_inputs(draft, tokens[-1], past)  # (1, N+1) each; a tree's mask (1, 1, N+1, past+N+1)
             plan = None if mask is None else RowPlan.from_rows(past, visible_rows(draft), self.device)
             try:
-                logits = self._forward(ids, positions, mask, keep=len(draft) + 1, plan=plan)  # (N+1, V)
+                logits = self._pass(ids, positions, len(draft) + 1, mask, plan)  # (N+1, V)
                 break
             except Exception as exc:  # out of memory in any of its forms (an MPS one is a RuntimeError)
                 if not is_out_of_memory(exc) or len(draft) == 0:
@@ -307,33 +225,69 @@ class Engine:
                 self.max_nodes = len(draft) // 2
                 self.stats.notices.append(f"out of memory verifying {len(draft)} drafted tokens; drafting at most {self.max_nodes} from now on")
                 draft = draft.first(self.max_nodes)
+        # 3. the acceptance rule: the path the target agrees with (greedy, or lossless rejection sampling), then its own token
         verdict = verify(draft, logits, sampling, generator)
-        # keep the root and the accepted path; rejected nodes' entries go
-        kept = [0] + [node + 1 for node in verdict.accepted]
-        self.kv.keep(past, kept)
-        self._observe(past, kept)
-        self.kv_tokens.extend([tokens[-1], *(draft.tokens[node] for node in verdict.accepted)])
-        return draft, verdict
-
-    # -- the loop -------------------------------------------------------------------------------
-
-    def _speculative_step(self, tokens: list[int], room: int, sampling: SamplingConfig, generator) -> tuple[list[int], int]:
-        """One target pass: guess, verify the guesses and take the target's own next token in one
-        forward, learn from the verdict. Returns the accepted guesses and the target's token (room:
-        tokens the answer may still take)."""
-        if self.costs is not None:
-            self.costs.context = len(self.kv)  # the costs that size this pass's draft are read here
-        started = time.perf_counter()
-        proposal = self._propose(tokens, room, sampling, generator)
-        drafted = time.perf_counter()
-        draft, verdict = self._verify_pass(tokens, proposal.draft, sampling, generator)
-        verified = time.perf_counter()
         accepted = [draft.tokens[node] for node in verdict.accepted]
+        # 4. commit: the root and the accepted path stay in the cache (pass rows 0 and node + 1), the rejected nodes go
+        self._commit(past, [tokens[-1], *accepted], [0] + [node + 1 for node in verdict.accepted])
+        verified = self.clock()
+        # 5. learn: the policy credits each part's guesses; the statistics and the kill switch count the pass
+        own = self.policy.learn(proposal, accepted, verified - started)  # the model's own accepted guesses, or None
         self.stats.record_pass(len(draft), len(accepted), drafted - started, verified - drafted)
+        if proposal.model is not None:
+            self.stats.lookup_accepted += len(accepted) - own
+            self.stats.draft_steps += proposal.model.steps if proposal.model.steps is not None else len(proposal.model)
+        elif proposal.skipped_model:
+            self.stats.lookup_passes += 1
+            self.stats.lookup_accepted += len(accepted)
         if self.policy.guard is not None and (notice := self.policy.guard.record(len(draft), len(accepted) + 1, verified - started)):
             self.stats.notices.append(notice)
-        self._credit(proposal, accepted, verified - started)
         return accepted, verdict.next_token
+
+    # -- what the step is made of -----------------------------------------------------------------
+
+    def _pass(self, ids: torch.Tensor, positions: torch.Tensor, logit_rows: int, mask: torch.Tensor | None = None,
+              plan: RowPlan | None = None) -> torch.Tensor:
+        """One target pass -> logits (logit_rows, V); if it is cut short (Ctrl-C, out of memory) the
+        cache is put back to exactly the committed tokens, so the next pass or the next prompt
+        starts from a sound state."""
+        try:
+            return self.target_pass(self.kv, ids, positions, logit_rows, mask, plan)
+        except BaseException:
+            self.kv_tokens.restore()
+            raise
+
+    def _commit(self, start: int, tokens: list[int], kept: list[int] | None) -> None:
+        """A pass from cache entry `start` committed `tokens`: its rows `kept` stay in the cache and
+        the rest go (None: every row, a prefill chunk), and the proposer sees which stayed."""
+        if kept is not None:
+            self.kv.keep(start, kept)
+        self.kv_tokens.extend(tokens)
+        if self.proposer is not None:
+            self._guarded(self.proposer.observe, None, start, kept)
+
+    def _guarded(self, work, fallback, *args):
+        """A proposer's part of the work: one that fails must not end the answer, so it is closed
+        and the answer goes on with plain decoding."""
+        try:
+            return work(*args)
+        except Exception as exc:
+            self.stats.notices.append(f"proposer failed ({exc!r}); continuing with plain decoding")
+            self.proposer.close()
+            self.proposer = self.lookup = None
+            return fallback
+
+    def _prefill(self, tokens: list[int]) -> None:
+        """Bring the cache to hold tokens[:-1], reusing the longest prefix it already holds."""
+        prompt = tokens[:-1]
+        reused = self.kv_tokens.follow(prompt)
+        for start in range(reused, len(prompt), PREFILL_CHUNK):
+            chunk = prompt[start : start + PREFILL_CHUNK]
+            ids = torch.tensor([chunk], dtype=torch.long)  # (1, C)
+            positions = torch.arange(start, start + len(chunk))[None]  # (1, C)
+            with prompt_pass():
+                self._pass(ids, positions, logit_rows=1)
+            self._commit(start, chunk, None)
 
     @torch.inference_mode()
     def generate(
@@ -347,16 +301,10 @@ class Engine:
         string or an unfinished character holds text back), so a consumer (the server on a
         disconnect, the chat's stop key) can stop between any two passes. Each event carries its
         pass's figures, the last one (a FinalEvent) the finished statistics."""
-        if isinstance(prompt, str) and not prompt.strip():
-            raise LocalspecError("the prompt is empty")
+        if isinstance(prompt, str):
+            check_text(prompt)
         tokens = list(prompt) if prompt and isinstance(prompt[0], int) else self.encode(prompt, system)
-        if not tokens:
-            raise LocalspecError("the prompt is empty")
-        if len(tokens) >= self.context_len:
-            raise LocalspecError(
-                f"the prompt is {len(tokens)} tokens; this model's context window is {self.context_len} "
-                "tokens and the answer needs room: shorten the prompt"
-            )
+        check_ids(tokens, self.context_len)
         generator = make_generator(sampling.seed, self.device)
         stats = self.stats = GenerationStats(
             proposer=self.proposer_name, reason=self.proposer_reason, prompt_tokens=len(tokens),

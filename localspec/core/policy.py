@@ -1,7 +1,11 @@
 """The draft policy: how many guesses each pass verifies, and whose.
 
 Nothing here touches a model or decides a token: verification keeps the output exact whatever is
-decided, so the policy only trades drafting time against tokens per pass.
+decided, so the policy only trades drafting time against tokens per pass. It decides in one place
+for every proposer: `DraftPolicy.plan` (nothing, prompt lookup's guess alone, or the model's chain
+or tree with the guess grafted in, each sized here), the questions a model proposer asks while it
+drafts (`another_guess` for a chain, `another_level` and `tree_nodes` for a tree), and `learn`
+after the pass.
 
 One formula (Leviathan et al. 2023, with measured costs in place of a constant ratio): a pass
 commits the target's own token plus each drafted node with the probability that the target accepts
@@ -17,15 +21,18 @@ One estimator: `Running`, a ratio of exponentially decayed sums started at a pri
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from itertools import accumulate
 from operator import mul
 
-from localspec.base.config import SpecConfig
+import torch
+
+from localspec.base.config import SamplingConfig, SpecConfig
 from localspec.runtime.costs import CostModel
 from localspec.runtime.kv import common_prefix
-from localspec.core.tree import Draft, matched_path
+from localspec.core.proposers.base import Proposer
+from localspec.core.tree import Draft, graft, matched_path
 
 DECAY = 0.9
 """How much a pass weighs in every running estimate next to the pass after it: about the last ten
@@ -163,6 +170,15 @@ def deeper_pays(costs: CostModel, reach: list[float], nodes: int, frontier: list
     return deeper > now
 
 
+def path_probabilities(tree: Draft) -> list[float]:
+    """Each node's probability of being reached, by the drafter's own confidences: the product
+    along its path from the root."""
+    reach: list[float] = []
+    for confidence, parent in zip(tree.confidences, tree.parents):
+        reach.append(confidence * (reach[parent] if parent >= 0 else 1.0))
+    return reach
+
+
 # -- one engine's policy ---------------------------------------------------------------------------
 
 
@@ -175,6 +191,10 @@ class Proposal:
     """The model proposer's own guesses (draft model, EAGLE), when it drafted this pass."""
     lookup: Draft | None = None
     """Prompt lookup's guesses (a chain), judged under their label."""
+    skipped_model: bool = False
+    """The model proposer did not draft: prompt lookup's guess alone was expected to pay more."""
+    tree: bool = False
+    """The model's draft was sized as a tree: its path probabilities calibrate `tree_nodes`."""
 
 
 class DraftPolicy:
@@ -194,12 +214,40 @@ class DraftPolicy:
         self.by_confidence: dict[int, Acceptance] = {}
         self.model_rate = Running()
         """Tokens per second of the passes the model proposer drafted for."""
+        self.level_seconds = Running()
+        """Seconds of one tree level (one step of an EAGLE head)."""
+        self.tree_calibration = Running(prior=1.0)
+        """Accepted tokens over predicted ones (the sum of a tree's path probabilities)."""
         self.guard = SpeedGuard(costs) if costs is not None else None
 
     @property
     def allows(self) -> bool:
         """False while the kill switch has speculation paused."""
         return self.guard is None or self.guard.allows
+
+    # -- before the pass --------------------------------------------------------------------------
+
+    def plan(self, proposer: Proposer | None, lookup: Proposer | None, tokens: list[int], limit: int,
+             sampling: SamplingConfig, generator: torch.Generator) -> Proposal:
+        """What this pass verifies, at most `limit` nodes after `tokens`: nothing while the kill
+        switch has speculation paused; a lookup's guess (the proposer's own, or the `lookup` a
+        model proposer carries), cut to the length that pays for its label; alone, when it is
+        expected to beat the model's measured rate; else the model's chain (at most the chain
+        limit) or tree (every node that fits), drafted while `another_guess` / `another_level`
+        say it pays, with the lookup's guess grafted in as one more branch."""
+        if proposer is None or limit <= 0 or not self.allows:
+            return Proposal(Draft.chain([]))
+        guesser = lookup if proposer.has_model else proposer
+        guess = guesser.propose(tokens, self.chain_limit(limit), sampling, generator) if guesser else Draft.chain([])
+        guess = guess.first(self.lookup_len(guess.label, len(guess)))
+        if not proposer.has_model:
+            return Proposal(guess, lookup=guess)
+        if len(guess) and self.lookup_alone_pays(guess):
+            return Proposal(guess, lookup=guess, skipped_model=True)
+        room = limit - len(guess)
+        wanted = room if proposer.builds_trees else self.chain_limit(room)
+        own = proposer.propose(tokens, wanted, sampling, generator, self) if wanted > 0 else Draft.chain([])
+        return Proposal(graft(own, guess.tokens), model=own, lookup=guess if len(guess) else None, tree=proposer.builds_trees)
 
     def chain_limit(self, limit: int) -> int:
         """Most guesses a chain may offer this pass (lookup, draft model): the fixed length, else
@@ -225,20 +273,14 @@ class DraftPolicy:
         alone = chain_rate(self.costs, self.lookup_evidence[guess.label].rate, len(guess), free=True)
         return alone >= self.model_rate.value
 
-    def model_len(self, limit: int, builds_trees: bool) -> int:
-        """Most guesses to ask of the model proposer: a tree builder sizes its tree itself from
-        the same costs, so it is offered every node that fits."""
-        return limit if builds_trees else self.chain_limit(limit)
+    # -- while a model drafts (the questions in proposers/base.py) ---------------------------------
 
-    @property
-    def stop_rule(self) -> Callable[[list[float]], bool] | None:
-        """What a chain-drafting model asks before keeping each guess; None (a fixed length, or no
-        measured costs): draft the full length."""
-        return self.worth_another if self.spec.draft_len is None and self.costs is not None else None
-
-    def worth_another(self, confidences: list[float]) -> bool:
-        """Whether keeping the newest guess raises the expected rate of this pass, each guess's
-        acceptance read from the bin of the model's confidence in it."""
+    def another_guess(self, confidences: list[float]) -> bool:
+        """Whether keeping a chain's newest guess raises the expected rate of this pass, each
+        guess's acceptance read from the bin of the model's confidence in it (the newest last);
+        always, for a fixed length or without measured costs."""
+        if self.spec.draft_len is not None or self.costs is None:
+            return True
         k = len(confidences)
         reach = list(accumulate((self._confidence_bin(c).rate for c in confidences), mul))
         step = self.costs.draft_step_seconds
@@ -250,7 +292,34 @@ class DraftPolicy:
         self._confidence_bin(confidences[-1]).update(0, 0)
         return False
 
-    def judge(self, proposal: Proposal, accepted: list[int], seconds: float) -> int | None:
+    def tree_nodes(self, probs: list[float], levels: int, limit: int) -> int:
+        """How many of a tree's candidates (path probabilities `probs`, most likely first,
+        ancestors before descendants) to verify after drafting `levels` levels."""
+        if self.costs is None:
+            return min(limit, len(probs))
+        return best_node_count(self.costs, self._reach(probs), levels * (self.level_seconds.value or 0.0), limit)
+
+    def another_level(self, probs: list[float], nodes: int, frontier: list[float], levels: int, limit: int) -> bool:
+        """Whether one more tree level can raise the expected rate: the tree of the `nodes` best
+        candidates (path probabilities `probs`, most likely first) after `levels` levels against
+        one level more, which adds at most the frontier's path probabilities."""
+        if self.costs is None:
+            return True
+        if self.level_seconds.value is None:
+            return True  # not measured yet: measure by drafting
+        return deeper_pays(self.costs, self._reach(probs), nodes, self._reach(frontier), levels, self.level_seconds.value, limit)
+
+    def timed_level(self, seconds: float) -> None:
+        """A tree level took `seconds` to draft."""
+        self.level_seconds.add(seconds, 1)
+
+    def _reach(self, probs: list[float]) -> list[float]:
+        """A tree's path probabilities as acceptance: scaled by how well they predicted so far."""
+        return [self.tree_calibration.value * p for p in probs]
+
+    # -- after the pass ----------------------------------------------------------------------------
+
+    def learn(self, proposal: Proposal, accepted: list[int], seconds: float) -> int | None:
         """Learn from a verified pass that accepted `accepted` (tokens) in `seconds`; returns how
         many of the model proposer's own guesses were accepted (None: it did not draft)."""
         if proposal.lookup is not None:
@@ -265,6 +334,8 @@ class DraftPolicy:
         if own.is_chain:  # per guess: accepted ones succeeded, the first rejected one failed, later ones were never judged
             for i, confidence in enumerate(own.confidences[: len(path) + 1]):
                 self._confidence_bin(confidence).update(1, 1 if i < len(path) else 0)
+        if proposal.tree and len(own):
+            self.tree_calibration.add(len(path), sum(path_probabilities(own)))
         return len(path)
 
     def _confidence_bin(self, confidence: float) -> Acceptance:

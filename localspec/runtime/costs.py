@@ -2,8 +2,9 @@
 
 On a CPU a verify pass of several tokens is not free (fp32) or nearly free (bf16 with AMX); on a
 GPU it is nearly free up to tens of tokens. So nothing here is a constant: a short calibration
-times real forward passes on this machine (`time_forward`; measurements.py keeps what it measured), and
-the draft policy (policy.py) sizes each pass's draft on these numbers.
+times real passes on this machine (`time_forward`, through the `TargetPass` generation uses;
+store/measurements.py keeps what it measured), and the draft policy (core/policy.py) sizes each
+pass's draft on these numbers.
 """
 
 from __future__ import annotations
@@ -13,9 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from localspec.runtime import graphs
-from localspec.runtime.kv import KVCache
 from localspec.kernels.cpu_w8a8 import wait_for_packing
+from localspec.runtime.target_pass import TargetPass
 
 WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16)
 CONTEXTS = (128, 1024)
@@ -58,31 +58,29 @@ class CostModel:
 
 @torch.inference_mode()
 def time_forward(model: torch.nn.Module, widths: tuple[int, ...], repeats: int = 4, context: int = CALIBRATION_PREFIX) -> dict[int, float]:
-    """Best-of-`repeats` seconds of one forward over `width` new tokens after `context` cached ones,
-    with the model as it is (attention, weights, CUDA graphs where the engine replays them): the
-    pass generation runs.
+    """Best-of-`repeats` seconds of one pass over `width` new tokens after `context` cached ones,
+    through a `TargetPass` as generation makes it (attention, weights, CUDA graphs where they
+    replay): the pass generation runs.
 
     Widths are measured in interleaved rounds, so a burst of other work on the machine spoils one
     sample of each width rather than every sample of one.
     """
     wait_for_packing(model)
-    device = next(model.parameters()).device
+    target = TargetPass(model)
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(0)
-    prefix = torch.randint(0, vocab, (1, context), generator=gen).to(device)
-    runner = graphs.calibration_runner(model)  # on CUDA the engine's passes replay from graphs: time those
-    kv = KVCache(context + max(widths) if runner else 0)
-    model(input_ids=prefix, cache=kv.cache, use_cache=True, logits_to_keep=1)
+    prefix = torch.randint(0, vocab, (1, context), generator=gen)  # (1, context)
+    kv = target.new_cache(context + max(widths))
+    target(kv, prefix, torch.arange(context)[None], logit_rows=1)
     best = {width: float("inf") for width in widths}
     for round_ in range(repeats + 1):  # round 0 is a warm-up
         for width in widths:
-            ids = torch.randint(0, vocab, (1, width), generator=gen).to(device)
-            pos = torch.arange(context, context + width, device=device)[None]
-            _sync(device)
+            ids = torch.randint(0, vocab, (1, width), generator=gen).to(target.device)  # (1, W)
+            positions = torch.arange(context, context + width, device=target.device)[None]  # (1, W)
+            _sync(target.device)
             start = time.perf_counter()
-            if runner is None or runner.run(kv, ids, pos, None, keep=width) is None:
-                model(input_ids=ids, position_ids=pos, cache=kv.cache, use_cache=True)
-            _sync(device)
+            target(kv, ids, positions, logit_rows=width)
+            _sync(target.device)
             if round_:
                 best[width] = min(best[width], time.perf_counter() - start)
             kv.truncate(context)

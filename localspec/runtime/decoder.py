@@ -9,39 +9,24 @@ small torch ops that remain (norms, rotary, SiLU) are ~5 ms of a one-token pass.
 `lean_forward` computes the same layers with the same modules (so quantized linears, the
 embedding's float32 hook and the norms' hooks, which EAGLE's feature taps use, all run as before)
 and the same row-exact attention, for the passes generation makes many of: batch 1, at most
-`ROW_BY_ROW_UP_TO` new tokens. Every other call (a long prefill, padding masks, another
-architecture, hidden-state outputs) takes transformers' own forward, which is also the reference
-the tests compare against.
+`ROW_BY_ROW_UP_TO` new tokens, a model whose layers pass `unsupported_reason`. Which pass runs
+when is decided in one place, `target_pass.TargetPass`; transformers' own forward takes the rest
+(a long prefill, another architecture) and is the reference the tests compare against.
 
 On CUDA (with Triton) a pass reads where its rows stand from a `RowTable` on the device, built once
 per pass: the new keys and values go to the cache at the table's slots and one Triton launch per
 layer computes every row's attention, so the pass has fixed shapes and addresses and
-localspec/graphs.py can capture it as a CUDA graph (giving it a table of its own, copied into).
+localspec/runtime/graphs.py can capture it as a CUDA graph (giving it a table of its own, copied into).
 """
 
 from __future__ import annotations
 
-import functools
 import sys
 
 import torch
-from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from localspec.runtime.attention import (
-    NAME as EXACT_ATTENTION,
-    ROW_BY_ROW_UP_TO,
-    RowPlan,
-    RowTable,
-    exact_attention,
-    rows_on_device,
-    table_attention,
-    use_exact_attention,
-)
+from localspec.runtime.attention import RowPlan, RowTable, exact_attention, rows_on_device, table_attention
 from localspec.runtime.kv import extend_to
-
-LEAN_KWARGS = {"input_ids", "position_ids", "attention_mask", "cache", "past_key_values", "use_cache", "logits_to_keep",
-               "row_plan"}
-"""Keyword arguments the lean pass understands; a call with any other takes transformers' forward."""
 
 
 def unsupported_reason(model: torch.nn.Module) -> str | None:
@@ -70,47 +55,8 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
     return None
 
 
-def use_exact_pass(model: torch.nn.Module) -> None:
-    """The model as generation runs it (idempotent): row-exact attention, so a verify pass computes
-    each row as plain decoding would, and its short passes through `lean_forward` where supported."""
-    use_exact_attention(model)
-    use_lean_forward(model)
-
-
-def use_lean_forward(model: torch.nn.Module) -> bool:
-    """Route the model's generation passes through `lean_forward` (idempotent). Returns whether it
-    does: only for supported models on the row-exact attention."""
-    if getattr(model, "_lean_forward", False):
-        return True
-    if unsupported_reason(model) is not None or model.config._attn_implementation != EXACT_ATTENTION:
-        return False
-    reference = model.forward
-
-    @functools.wraps(reference)
-    def forward(*args, **kwargs):
-        if not args and lean_call(kwargs):
-            return CausalLMOutputWithPast(logits=lean_forward(model, **kwargs))
-        return reference(*args, **kwargs)
-
-    model.forward, model._lean_forward = forward, True
-    return True
-
-
-def lean_call(kwargs: dict) -> bool:
-    """Whether a forward call with these arguments is one the lean pass computes exactly as transformers would."""
-    ids, mask = kwargs.get("input_ids"), kwargs.get("attention_mask")
-    cache = kwargs.get("cache", kwargs.get("past_key_values"))
-    return (
-        kwargs.keys() <= LEAN_KWARGS
-        and ids is not None and ids.dim() == 2 and ids.shape[0] == 1 and ids.shape[1] <= ROW_BY_ROW_UP_TO
-        and cache is not None and kwargs.get("use_cache", True)
-        and (mask is None or mask.dim() == 4)  # a tree's (1, 1, T, S) mask; padding masks go to transformers
-    )
-
-
-def lean_forward(model: torch.nn.Module, input_ids: torch.Tensor, cache=None, past_key_values=None,
-                 position_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
-                 logits_to_keep: int = 0, row_plan: RowPlan | None = None, use_cache: bool = True,
+def lean_forward(model: torch.nn.Module, input_ids: torch.Tensor, cache, position_ids: torch.Tensor | None = None,
+                 attention_mask: torch.Tensor | None = None, logits_to_keep: int = 0, row_plan: RowPlan | None = None,
                  table: RowTable | None = None) -> torch.Tensor:
     """input_ids (1, T) new tokens after the cache's entries -> logits (1, keep or T, V).
 
@@ -118,7 +64,6 @@ def lean_forward(model: torch.nn.Module, input_ids: torch.Tensor, cache=None, pa
     or additive, only for tree passes, read once here (a `row_plan` from the engine saves even that).
     `table`: the rows' places on the device, given by a caller that moves the cache's lengths
     itself (a CUDA graph); on CUDA one is built here otherwise."""
-    cache = cache if cache is not None else past_key_values
     base = model.model
     t = input_ids.shape[1]
     past = cache.get_seq_length()

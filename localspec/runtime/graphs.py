@@ -12,7 +12,8 @@ time that width runs, and afterwards copies each pass's inputs in and replays.
 Exactness: a replay runs the kernels the eager pass runs, on the same values, so its logits are the
 eager pass's bit for bit (tests/test_cuda.py); the eager `lean_forward` stays the reference and the
 path for everything the runner does not cover (other devices, wider passes, prefill chunks, a pass
-that would not fit the cache). The cache must keep its buffers: the engine makes it with
+that would not fit the cache); `target_pass.TargetPass` decides, in one place, which passes try a
+runner first. The cache must keep its buffers: `TargetPass.new_cache` makes it with
 `capacity(context)` slots up front; if a longer conversation grows it anyway, the graphs are
 dropped and captured again against the new buffers. A capture that fails turns the runner off,
 with a one-line reason for the engine's notices. The capture step is a parameter, so that the CPU
@@ -28,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from localspec.runtime.attention import RowPlan, RowTable
-from localspec.runtime.decoder import lean_forward
+from localspec.runtime.decoder import lean_forward, unsupported_reason
 from localspec.runtime.kv import KVCache, extend_to
 from localspec.kernels.triton_support import triton_available
 
@@ -41,6 +42,8 @@ CONTEXT = 4096
 keys and values for the 1.5B target in bf16, 537 MB for an 8B."""
 
 Replay = Callable[[], torch.Tensor]
+Capture = Callable[[Replay, object], Replay]
+"""Records a pass (with a memory pool to share) and returns its replay: `cuda_capture`, `no_capture`."""
 
 
 def capacity(context: int) -> int:
@@ -85,7 +88,7 @@ class _Pass:
 
 
 class GraphRunner:
-    def __init__(self, model: torch.nn.Module, capture: Callable[[Replay, object], Replay] = cuda_capture) -> None:
+    def __init__(self, model: torch.nn.Module, capture: Capture = cuda_capture) -> None:
         self.model = model
         self.capture = capture
         self.passes: dict[int, _Pass] = {}
@@ -95,14 +98,14 @@ class GraphRunner:
         self.off: str | None = unavailable_reason(model)
         """Why the runner no longer replays (None while it does)."""
 
-    def run(self, kv: KVCache, ids: torch.Tensor, positions: torch.Tensor, plan: RowPlan | None, keep: int) -> torch.Tensor | None:
+    def run(self, kv: KVCache, ids: torch.Tensor, positions: torch.Tensor, plan: RowPlan | None, logit_rows: int) -> torch.Tensor | None:
         """Logits (W, V) of the pass over ids (1, W) at positions (1, W) after the cache's entries
         (a tree's `plan` says which rows each row sees), with the cache's lengths moved as the
         eager pass moves them; None for a pass to run eagerly: not covered, or the runner just
         turned off (`off` says why)."""
         w, past = ids.shape[1], len(kv)
         buffers = _buffers(kv)
-        if (self.off or keep != w or w > MAX_WIDTH or not buffers or past + w > buffers[0].shape[-2]
+        if (self.off or logit_rows != w or w > MAX_WIDTH or not buffers or past + w > buffers[0].shape[-2]
                 or (plan is not None and plan.past != past)):
             return None
         if len(buffers) != len(self.buffers) or any(a is not b for a, b in zip(buffers, self.buffers)):
@@ -141,20 +144,10 @@ def _buffers(kv: KVCache) -> list[torch.Tensor]:
     return [buffer for layer in layers for buffer in (layer.key_slots.buffer, layer.value_slots.buffer)]
 
 
-def replays(model: torch.nn.Module) -> bool:
-    """Whether the engine's passes of this model replay from graphs: what its calibration times."""
-    return next(model.parameters()).device.type == "cuda" and unavailable_reason(model) is None
-
-
-def calibration_runner(model: torch.nn.Module) -> GraphRunner | None:
-    """A runner for timing the passes as generation runs them (None where they run eagerly)."""
-    return GraphRunner(model) if replays(model) else None
-
-
 def unavailable_reason(model: torch.nn.Module) -> str | None:
     """Why this model's passes cannot be replayed from graphs (None: they can)."""
-    if not getattr(model, "_lean_forward", False):
-        return "CUDA graphs off: the model does not run localspec's lean pass"
+    if (why := unsupported_reason(model)) is not None:
+        return f"CUDA graphs off: the lean pass cannot run this model ({why})"
     if not triton_available():
         return "CUDA graphs off: they need the Triton row attention (pip install triton)"
     embedding = model.model.embed_tokens

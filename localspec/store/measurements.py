@@ -25,12 +25,13 @@ from pathlib import Path
 
 import torch
 
-from localspec.runtime import costs, graphs
+from localspec.runtime import costs
 from localspec.base.config import home_dir
 from localspec.base.files import locked, write_text_atomic
 from localspec.store.loading import pick_device
 from localspec.core.stats import GenerationStats
 from localspec.kernels.cpu_build import sources_digest
+from localspec.runtime.target_pass import TargetPass
 
 
 def _calibration_file() -> Path:
@@ -93,11 +94,7 @@ def pass_cost_key(name: str, model: torch.nn.Module) -> str:
     fast_paths = sorted({type(m).__name__ for m in model.modules()
                          if type(m).__module__.startswith(("localspec.kernels", "bitsandbytes"))})
     variant = f"|{'+'.join(fast_paths)}" if fast_paths else ""
-    attention = getattr(model.config, "_attn_implementation", None) or "default"
-    if getattr(model, "_lean_forward", False):  # localspec.runtime.decoder's pass, not transformers' forward
-        attention += "+lean"
-    if graphs.replays(model):
-        attention += "+graphs"
+    attention = TargetPass(model).name  # what generation's passes run: attention, lean pass, CUDA graphs
     device = param.device.type
     if device == "cuda":
         device += f"={torch.cuda.get_device_name(param.device)}"

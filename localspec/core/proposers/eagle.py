@@ -7,25 +7,23 @@ every prefill and verify pass, and the engine says which positions were committe
 Each pass (EAGLE-2's dynamic tree): the head catches up on the newly committed positions, then
 expands the `top_k` best nodes level by level, scoring each node by its cumulative draft
 log-probability; the best `nodes` of everything it saw form the tree the target verifies in one
-pass. How deep to go and how many nodes to keep follow the measured costs: a level is drafted only
-while the probability mass it can add pays for one more head step, and the node count maximises
-expected tokens per second under the measured cost of a verify pass of that width, with the head's
-scores calibrated by the acceptance actually seen.
+pass. How deep to go and how many nodes to keep is the draft policy's to say (core/policy.py,
+asked through `DraftRules`): a level is drafted only while the probability mass it can add pays
+for one more head step, and the node count maximises expected tokens per second under the
+measured cost of a verify pass of that width, with the head's scores calibrated by the acceptance
+actually seen. A fixed `nodes` or `depth` given here overrides it.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
 
 import torch
 
 from localspec.base.config import SamplingConfig
-from localspec.runtime.costs import CostModel
 from localspec.runtime.kv import CachedTokens, SlotLayer, Slots
-from localspec.core.policy import Running, best_node_count, deeper_pays
-from localspec.core.proposers.base import Proposer
+from localspec.core.proposers.base import DraftRules, Proposer
 from localspec.core.proposers.eagle_head import EagleHead
 from localspec.core.tree import Draft
 
@@ -76,19 +74,13 @@ class EagleProposer(Proposer):
     has_model = True
     builds_trees = True
 
-    def __init__(self, head: EagleHead, target: torch.nn.Module, costs: CostModel | None = None,
+    def __init__(self, head: EagleHead, target: torch.nn.Module,
                  top_k: int = 8, nodes: int | None = None, depth: int | None = None, max_depth: int = 12) -> None:
         self.head = head
         self.tap = FeatureTap(target, head.cfg.aux_layers)
-        self.costs = costs
         self.top_k, self.fixed_nodes, self.fixed_depth, self.max_depth = top_k, nodes, depth, max_depth
         self.device = head.fc.weight.device
         self.features = Slots()  # (S, F): one per committed cache entry of the target
-        self.step_seconds = Running()
-        """Seconds of one head step (one tree level)."""
-        self.calibration = Running(prior=1.0)
-        """Accepted tokens over predicted ones (the sum of the picked nodes' probabilities)."""
-        self._last_predicted: float | None = None
         # the head's keys/values: committed positions, then (while drafting) the tree's levels
         self.cache = SlotLayer()
         self.head_tokens = CachedTokens(self.cache.set_length, lookahead=1)  # position t read token t + 1
@@ -106,53 +98,42 @@ class EagleProposer(Proposer):
             new = new[torch.tensor(kept, device=self.device)]
         self.features.write(start, new)
 
-    def judged(self, accepted: int) -> None:
-        """Learn how well the head's scores predict what the target accepts."""
-        if self._last_predicted is not None:
-            self.calibration.add(accepted, self._last_predicted)
-            self._last_predicted = None
-
     # -- drafting -------------------------------------------------------------------------------
 
     def _catch_up(self, tokens: list[int]) -> torch.Tensor:
         """Run the head over committed positions it has not seen; returns its output at the last
         one, (1, h), whose logits guess the token after `tokens`."""
         n = len(tokens)
-        keep = self.head_tokens.follow(tokens, at_most=n - 2)
-        hidden = self.features.filled[keep : n - 1][None]  # (1, T, F)
-        ids = torch.tensor([tokens[keep + 1 : n]], device=self.device)  # (1, T)
-        positions = torch.arange(keep, n - 1, device=self.device)[None]  # (1, T)
+        reused = self.head_tokens.follow(tokens, at_most=n - 2)
+        hidden = self.features.filled[reused : n - 1][None]  # (1, T, F)
+        ids = torch.tensor([tokens[reused + 1 : n]], device=self.device)  # (1, T)
+        positions = torch.arange(reused, n - 1, device=self.device)[None]  # (1, T)
         out, k, v = self.head(hidden, ids, positions, self.cache.keys, self.cache.values)
         self.cache.update(k, v)
-        self.head_tokens.extend(tokens[keep + 1 : n])
+        self.head_tokens.extend(tokens[reused + 1 : n])
         return out[:, -1]  # (1, h)
 
-    def _reach(self, probs: list[float]) -> list[float]:
-        """The head's path probabilities as acceptance: scaled by how well they predicted so far."""
-        return [self.calibration.value * p for p in probs]
-
-    def _node_count(self, probs: list[float], depth: int, limit: int) -> int:
-        """How many candidates (`probs`, most likely first) the tree keeps after `depth` head steps."""
+    def _node_count(self, probs: list[float], depth: int, limit: int, rules: DraftRules | None) -> int:
+        """How many candidates (path probabilities `probs`, most likely first) the tree keeps
+        after `depth` head steps: the fixed count, else the policy's."""
         if self.fixed_nodes is not None:
             return min(self.fixed_nodes, limit, len(probs))
-        if self.costs is None:
+        if rules is None:
             return min(limit, len(probs))
-        return best_node_count(self.costs, self._reach(probs), depth * (self.step_seconds.value or 0.0), limit)
+        return rules.tree_nodes(probs, depth, limit)
 
-    def _deeper_pays(self, scores: list[float], frontier: list[int], depth: int, limit: int) -> bool:
-        """Whether one more level can raise the expected rate (the policy's rule, on the head's
-        calibrated probabilities and measured step)."""
-        if self.step_seconds.value is None:
-            return True  # not measured yet: measure by drafting
+    def _deeper(self, scores: list[float], frontier: list[int], depth: int, limit: int, rules: DraftRules | None) -> bool:
+        """Whether to draft one more level: to the fixed depth, else while the policy says it pays."""
+        if self.fixed_depth is not None or rules is None:
+            return True
         probs = sorted((math.exp(s) for s in scores), reverse=True)
-        frontier_reach = self._reach([math.exp(scores[c]) for c in frontier])
-        return deeper_pays(self.costs, self._reach(probs), self._node_count(probs, depth, limit), frontier_reach,
-                           depth, self.step_seconds.value, limit)
+        return rules.another_level(probs, self._node_count(probs, depth, limit, rules), [math.exp(scores[c]) for c in frontier],
+                                   depth, limit)
 
     @torch.inference_mode()
     def propose(
         self, tokens: list[int], max_len: int, sampling: SamplingConfig, generator: torch.Generator,
-        worth: Callable[[list[float]], bool] | None = None,
+        rules: DraftRules | None = None,
     ) -> Draft:
         # The engine's cache holds tokens[:-1]; a new prompt that shares a prefix with the last
         # conversation only truncates it (no pass), so features past that prefix are stale.
@@ -179,7 +160,7 @@ class EagleProposer(Proposer):
         depth = 1
         max_depth = self.fixed_depth or min(self.max_depth, max_len)
         while depth < max_depth:
-            if self.fixed_depth is None and self.costs is not None and not self._deeper_pays(cand_score, frontier, depth, max_len):
+            if not self._deeper(cand_score, frontier, depth, max_len, rules):
                 break
             t0 = time.perf_counter()
             m = len(tree_rows)
@@ -218,23 +199,22 @@ class EagleProposer(Proposer):
             cand_logp += read[2 * n : 3 * n]
             cand_depth += [depth] * n
             frontier = [first_new + int(b) for b in read[3 * n :]]
-            self.step_seconds.add(time.perf_counter() - t0, 1)
+            if rules is not None:
+                rules.timed_level(time.perf_counter() - t0)
         self.cache.set_length(stable)  # the tree's entries go; the committed ones stay
 
         order = sorted(range(len(cand_tokens)), key=lambda c: -cand_score[c])
         probs = [math.exp(cand_score[c]) for c in order]
-        chosen = set(order[: self._node_count(probs, depth, max_len)])
+        chosen = set(order[: self._node_count(probs, depth, max_len, rules)])
         chosen = {c for c in chosen if all(a in chosen for a in self._ancestors(c, cand_parent))}
         # parents first (by depth), most likely sibling first: the order the acceptance rule tries them
         picked = sorted(chosen, key=lambda c: (cand_depth[c], -cand_score[c]))
         index = {c: i for i, c in enumerate(picked)}
         target_ids = self.head.to_target_ids(torch.tensor([cand_tokens[c] for c in picked], dtype=torch.long, device=self.device)).tolist()
-        draft = Draft(
+        return Draft(
             target_ids, [index[cand_parent[c]] if cand_parent[c] >= 0 else -1 for c in picked],
             label="eagle", confidences=[math.exp(cand_logp[c]) for c in picked], steps=depth,
         )
-        self._last_predicted = sum(math.exp(cand_score[c]) for c in picked) if picked else None
-        return draft
 
     @staticmethod
     def _ancestors(c: int, parents: list[int]) -> list[int]:

@@ -38,6 +38,6 @@ class NgramProposer(Proposer):
         self.ngram_min = ngram_min
         self.ngram_max = ngram_max
 
-    def propose(self, tokens, max_len, sampling, generator, worth=None) -> Draft:
+    def propose(self, tokens, max_len, sampling, generator, rules=None) -> Draft:
         guess, n = lookup(tokens, max_len, self.ngram_min, self.ngram_max)
         return Draft.chain(guess, label=f"ngram-{n}")
