@@ -60,7 +60,7 @@ def test_int4_quantization_error_is_at_most_half_a_step():
     packed, scales, mins = quantize_int4(w, 32)
     layer = Int4Linear(96, 48, False, 32)
     layer.packed.copy_(packed), layer.scales.copy_(scales), layer.mins.copy_(mins)
-    error = (layer.dequantized() - w).abs().reshape(48, 3, 32)
+    error = (layer.dense_weight() - w).abs().reshape(48, 3, 32)
     assert bool((error <= scales[..., None] / 2 + 1e-6).all())
 
 

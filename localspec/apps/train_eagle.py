@@ -32,8 +32,10 @@ import torch.nn.functional as F
 
 from localspec.base.errors import LocalspecError, first_line
 from localspec.base.files import write_text_atomic
+from localspec.core.prompt import chat_ids
 from localspec.core.proposers.eagle import FeatureTap
-from localspec.core.proposers.eagle_head import EagleHead, HeadConfig, dense_weight, save_head
+from localspec.core.proposers.eagle_head import EagleHead, HeadConfig, save_head
+from localspec.runtime.quant import dense_weight
 
 PROMPT_CONTEXT = 32
 """Prompt positions kept before a self-distilled answer for training."""
@@ -163,7 +165,7 @@ def self_distilled(target, tokenizer, prompts: list[str], settings: TrainSetting
     with store.open("a", encoding="utf-8") as out:
         for i in range(0, len(todo), batch):
             group = todo[i : i + batch]
-            encoded = [_chat_ids(tokenizer, p) for p in group]
+            encoded = [chat_ids(tokenizer, p) for p in group]
             width = max(len(e) for e in encoded)
             ids = torch.tensor([[pad] * (width - len(e)) + e for e in encoded], device=device)  # left-padded
             mask = torch.tensor([[0] * (width - len(e)) + [1] * len(e) for e in encoded], device=device)
@@ -177,13 +179,6 @@ def self_distilled(target, tokenizer, prompts: list[str], settings: TrainSetting
             bar.update(len(group))
     bar.close()
     return [(done[p], lengths[p]) for p in prompts]
-
-
-def _chat_ids(tokenizer, prompt: str) -> list[int]:
-    if getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True)
-        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-    return tokenizer(prompt, add_special_tokens=False)["input_ids"]
 
 
 @torch.inference_mode()
@@ -217,7 +212,7 @@ def draft_vocabulary(sequences: list[list[int]], vocab: int, size: int) -> torch
     """The `size` most frequent target ids, ascending (EAGLE-3's `used`); target = i + d2t[i]."""
     counts = torch.zeros(vocab, dtype=torch.long)
     for ids in sequences:
-        counts += torch.bincount(torch.tensor(ids), minlength=vocab)[:vocab]
+        counts += torch.bincount(torch.tensor(ids, dtype=torch.long), minlength=vocab)[:vocab]  # an answer may be empty
     size = min(size, vocab)
     return torch.topk(counts, size).indices.sort().values
 
@@ -340,9 +335,8 @@ def train_eagle(target_loaded, out_dir: Path, data: list[Path] | None, settings:
         torch.save({"records": records, "used": used}, data_file)
 
     cfg = HeadConfig.for_target(target.config, settings.version, len(used), settings.intermediate_size)
-    lm_head = target.get_output_embeddings()
-    full_head = dense_weight(lm_head)  # (V, H) float
-    head = EagleHead(cfg, target.get_input_embeddings().weight.detach().float(), full_head if cfg.version == 1 else None)
+    full_head = dense_weight(target.get_output_embeddings()).float()  # (V, H), whatever format the target runs
+    head = EagleHead(cfg, dense_weight(target.get_input_embeddings()).float(), full_head if cfg.version == 1 else None)
     if cfg.version == 3:
         with torch.no_grad():  # start from the target's own output layer and final norm
             head.d2t.copy_(used - torch.arange(len(used)))

@@ -19,9 +19,14 @@ def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     return q, scales
 
 
+def dequantize_per_channel(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """int8 (out, in) and scales (out,) -> the (out, in) float32 weight they stand for."""
+    return q.float() * scales.float()[:, None]
+
+
 def int8_linear_reference(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """The plain torch meaning of Int8Linear: de-quantize, then an ordinary linear."""
-    weight = (q.float() * scales[:, None]).to(x.dtype)
+    weight = dequantize_per_channel(q, scales).to(x.dtype)
     return torch.nn.functional.linear(x, weight, bias)
 
 
@@ -53,6 +58,9 @@ class Int8Linear(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}"
+
+    def dense_weight(self) -> torch.Tensor:
+        return dequantize_per_channel(self.qweight, self.scales)
 
     def align(self) -> None:
         """The CPU kernel reads with aligned vector loads (it crashes on a weight at an odd offset,

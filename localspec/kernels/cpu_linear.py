@@ -37,6 +37,9 @@ class PackedLinear(torch.nn.Module):
     def weight(self) -> torch.Tensor:
         return self.linear.weight
 
+    def dense_weight(self) -> torch.Tensor:
+        return self.linear.weight.detach()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., in) -> (..., out)
         rows = x.numel() // x.shape[-1]
         if rows < self.wide_from:

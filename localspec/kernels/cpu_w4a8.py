@@ -24,7 +24,7 @@ verification holds by construction), nor on how the work is split between thread
 Layout (`pack`): outputs in tiles of 16 (the last one padded with zeros), each tile a run of one
 320-byte block per group: 256 bytes of codes, byte 4n + t of 64-byte vector p holding the code of
 input 4p + t in its low nibble and of input 16 + 4p + t in its high nibble, for output n of the
-tile; then 16 fp16 scales; then 16 fp16 mins.
+tile; then 16 fp16 scales; then 16 fp16 mins. `unpack` reads the int4 format back out of them.
 
 Building: the C++ source beside this file is compiled on first use (`cpu_build`, about 2 s)
 into the cache folder the caller names. Without a compiler, or on a CPU without AVX2, `load` says
@@ -43,7 +43,7 @@ import torch
 
 from localspec.kernels.cpu_build import KernelUnavailable, build
 from localspec.kernels.cpu_w8a8 import quantize_rows
-from localspec.kernels.int4_format import unpack_int4
+from localspec.kernels.int4_format import dequantize_int4, unpack_int4
 
 GROUP = 32
 TILE = 16
@@ -171,6 +171,20 @@ def pack(packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torc
     return torch.cat((vectors, s, mn), dim=-1).reshape(-1).contiguous()  # (tiles * G * 320,)
 
 
+def unpack(blocks: torch.Tensor, out_features: int, in_features: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The kernel's blocks -> the int4 format they hold: packed uint8 (N, K/2), and the fp16 scales
+    and mins (N, K/32) the kernel multiplies by (`pack` rounded them to fp16)."""
+    groups = in_features // GROUP
+    tiles = -(-out_features // TILE)
+    b = blocks.reshape(tiles, groups, BLOCK_BYTES)  # (tile, g, 320)
+    vectors = b[..., :256].reshape(tiles, groups, 4, TILE, 4)  # (tile, g, p, n, t)
+    c = torch.stack((vectors & 0x0F, vectors >> 4), dim=-1)  # (tile, g, p, n, t, half): input = 16 half + 4p + t
+    codes = c.permute(0, 3, 1, 5, 2, 4).reshape(tiles * TILE, in_features)[:out_features]  # (N, K)
+    steps = b[..., 256:].contiguous().view(torch.float16).reshape(tiles, groups, 2, TILE)  # (tile, g, scale|min, n)
+    scales16, mins16 = steps.permute(2, 0, 3, 1).reshape(2, tiles * TILE, groups)[:, :out_features]  # (N, G) each
+    return codes[:, 0::2] | (codes[:, 1::2] << 4), scales16, mins16
+
+
 def w4a8_linear_reference(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
                           bias: torch.Tensor | None) -> torch.Tensor:
     """The plain torch meaning of the kernel: exact integer sums per group, in float64 after."""
@@ -219,6 +233,10 @@ class W4A8Linear(torch.nn.Module):
         self.bias = None if bias is None else torch.nn.Parameter(bias.detach().float(), requires_grad=False)
         self.kernel = kernel
         self.shared, self.start = shared, start
+
+    def dense_weight(self) -> torch.Tensor:
+        """The (out, in) float32 weight the kernel multiplies by, read back from its blocks."""
+        return dequantize_int4(*unpack(self.blocks, self.out_features, self.in_features), GROUP)
 
     def extra_repr(self) -> str:
         fused = f", shares its input from column {self.start}" if self.shared is not None else ""

@@ -25,7 +25,7 @@ import threading
 
 import torch
 
-from localspec.kernels.cpu_int8 import Int8Linear
+from localspec.kernels.cpu_int8 import Int8Linear, dequantize_per_channel
 
 ZERO_POINT = 128
 """oneDNN multiplies unsigned by signed bytes: activations go in as q + 128."""
@@ -107,6 +107,9 @@ class W8A8Linear(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}"
+
+    def dense_weight(self) -> torch.Tensor:
+        return dequantize_per_channel(self.qweight, self.scales)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., in) -> (..., out)
         q, row_scales = quantize_rows(x.reshape(-1, x.shape[-1]))  # (M, in), (M, 1)

@@ -94,7 +94,8 @@ class Int4Linear(torch.nn.Module):
             out = out + self.bias.to(out.dtype)
         return out.reshape(*x.shape[:-1], self.out_features)
 
-    def dequantized(self) -> torch.Tensor:
+    def dense_weight(self) -> torch.Tensor:
+        """The (out, in) float32 weight the stored codes stand for (int4_format's reference)."""
         return dequantize_int4(self.packed, self.scales, self.mins, self.group_size)
 
 

@@ -19,6 +19,11 @@ Every nn.Linear whose width fits the format is quantized, the output layer inclu
 model with 151k tokens it is 15% of the weights); the token embedding is a lookup and stays
 16-bit. Exactness is relative to the target as loaded: speculative decoding reproduces the
 quantized model's own output, and `localspec bench --quant` shows what quantizing costs.
+
+Whatever reads a layer's weights rather than running it (an EAGLE head's shared output layer and
+embedding, training) reads them through `dense_weight`, which knows every format here: each linear
+class of `localspec.kernels` de-quantizes its own stored numbers (`dense_weight()`), bitsandbytes'
+layers go through bitsandbytes' own de-quantizers.
 """
 
 from __future__ import annotations
@@ -244,6 +249,33 @@ def _save_layout(tensors: dict[str, torch.Tensor], path: Path) -> None:
         write_atomic(path, lambda out: torch.save(tensors, out), durable=False)
     except Exception:
         pass
+
+
+def dense_weight(module: torch.nn.Module) -> torch.Tensor:
+    """The float weight of any linear (out, in) or embedding (V, H) a loaded model holds, in every
+    format this module makes: a float layer's own tensor (no copy), else a float32 de-quantization
+    of the numbers the layer computes with (a new tensor)."""
+    if type(module).__module__.startswith("bitsandbytes"):  # before nn.Linear: its subclasses hold packed codes in .weight
+        return _bitsandbytes_dense_weight(module)
+    own = getattr(module, "dense_weight", None)
+    if callable(own):
+        return own()
+    if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
+        return module.weight.detach()
+    raise LocalspecError(f"cannot read a weight out of a {type(module).__name__} layer")
+
+
+def _bitsandbytes_dense_weight(module: torch.nn.Module) -> torch.Tensor:
+    import bitsandbytes as bnb
+
+    weight = module.weight
+    if isinstance(module, bnb.nn.Linear4bit) and weight.quant_state is not None:
+        return bnb.functional.dequantize_4bit(weight.data, weight.quant_state).float()
+    if isinstance(module, bnb.nn.Linear8bitLt) and weight.SCB is not None:
+        return bnb.functional.int8_vectorwise_dequant(weight.CB, weight.SCB)
+    if weight.dtype.is_floating_point:  # not quantized (yet)
+        return weight.detach()
+    raise LocalspecError(f"cannot read a weight out of bitsandbytes' {type(module).__name__} layer")
 
 
 def describe(model: torch.nn.Module) -> str:

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from localspec.base.errors import LocalspecError
+from localspec.runtime.quant import dense_weight
 
 
 @dataclass(frozen=True)
@@ -397,26 +398,17 @@ def load_head(directory: str | Path, target_config) -> HeadCheckpoint:
 
 def build_head(checkpoint: HeadCheckpoint, target: torch.nn.Module, dtype: torch.dtype | None = None) -> EagleHead:
     """The head, with the target's embedding (or its own) and, for EAGLE-1, the target's lm_head."""
-    embed = checkpoint.embed if checkpoint.embed is not None else target.get_input_embeddings().weight
+    embed = checkpoint.embed if checkpoint.embed is not None else dense_weight(target.get_input_embeddings())
     if embed.shape[-1] != checkpoint.config.hidden_size:
         raise LocalspecError(f"the head needs a token embedding of width {checkpoint.config.hidden_size}; "
                              f"the target's is {embed.shape[-1]} wide and the checkpoint has none of its own")
-    lm_head = dense_weight(target.get_output_embeddings()) if checkpoint.config.version == 1 else None
+    lm_head = dense_weight(target.get_output_embeddings()).float() if checkpoint.config.version == 1 else None
     head = EagleHead(checkpoint.config, embed, lm_head)
     head.load_state_dict(checkpoint.state, strict=True)
     head.requires_grad_(False)
     head.to(dtype or torch.float32).eval()
     head.embed = embed.detach()  # shared with the target, not a converted copy: a lookup reads a few rows
     return head
-
-
-def dense_weight(linear: torch.nn.Module) -> torch.Tensor:
-    """The (out, in) float weight of a plain or quantized (int4 / int8) linear."""
-    if hasattr(linear, "dequantized"):
-        return linear.dequantized().float()
-    if hasattr(linear, "qweight"):
-        return linear.qweight.float() * linear.scales.float()[:, None]
-    return linear.weight.detach().float()
 
 
 def head_config_json(cfg: HeadConfig) -> dict:
