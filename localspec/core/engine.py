@@ -180,7 +180,7 @@ class Engine:
         self.max_nodes = 64
         """Most draft nodes per pass; halved when a wide pass runs out of memory."""
         self.clock = clock
-        """Seconds, for the figures the policy decides by (a test gives a clock of its own)."""
+        """Seconds, for every figure the engine measures (a test gives a clock of its own)."""
         self.stats = GenerationStats()
 
     @property
@@ -315,9 +315,9 @@ class Engine:
         scanner = StopScanner(limits.stop)
         produced = 0
 
-        started = time.perf_counter()
+        started = self.clock()
         self._prefill(tokens)
-        stats.prefill_seconds = time.perf_counter() - started
+        stats.prefill_seconds = self.clock() - started
         opening = Opening(stats.proposer, stats.reason, stats.prompt_tokens, stats.cached_tokens, stats.prefill_seconds)
         noticed = 0  # notices already on an event (one raised in the prefill goes on the first)
         while True:
@@ -346,7 +346,7 @@ class Engine:
             # Tokens after a stop never happened; the cache entries past them are dropped by the
             # next prefill, which keeps only the prefix that matches the next prompt.
             figures = stats.counted().since(
-                before, tokens=produced - produced_before, plain_seconds=plain, elapsed=time.perf_counter() - started,
+                before, tokens=produced - produced_before, plain_seconds=plain, elapsed=self.clock() - started,
                 notices=tuple(stats.notices[noticed:]), opening=opening,
             )
             opening, noticed = None, len(stats.notices)
