@@ -27,6 +27,7 @@ from localspec.apps.cli import main
 from localspec.runtime.costs import CostModel
 from localspec.base.errors import LocalspecError, is_out_of_memory
 from localspec.base.files import locked, write_text_atomic
+from localspec.store.proposer_catalog import Candidate
 from localspec.store.registry import MirrorSource, ModelEntry, load_registry
 
 CPU_OOM = RuntimeError(
@@ -494,7 +495,8 @@ def test_auto_drops_a_draft_whose_measured_step_cannot_pay_against_the_target_an
         return loaded, helper if draft_entry is not None else None, "test"
 
     monkeypatch.setattr(session_module, "load_models", load_models)
-    monkeypatch.setattr(session_module, "choose_proposer", lambda *a, **k: ("draft", "a draft is registered", "qwen2.5-coder-0.5b"))
+    ranked = [Candidate("draft", "a draft is registered", "qwen2.5-coder-0.5b"), Candidate("ngram", "prompt lookup")]
+    monkeypatch.setattr(session_module, "rank_proposers", lambda *a, **k: ranked)
     for step, kept in [(0.004, True), (0.06, False)]:  # against a 30 ms one-token pass
         monkeypatch.setattr(session_module, "costs_for",
                             lambda target, draft, widths=None, step=step: CostModel({1: 0.03, 16: 0.06}, step if draft else 0.0))

@@ -15,7 +15,7 @@ from localspec.base.config import eagle_head_dir
 from localspec.base.errors import LocalspecError
 from localspec.store.loading import LoadedModel
 from localspec.core.proposers.eagle_head import save_head
-from localspec.store.proposer_catalog import choose_proposer
+from localspec.store.proposer_catalog import rank_proposers
 from localspec.store.registry import load_registry
 from localspec.core.stats import GenerationStats
 
@@ -137,7 +137,7 @@ def test_saved_pairing_is_loaded_and_chosen(home):
     entry = load_registry().get("smollm2-135m")
     assert entry.display == "my smol"  # what the user had is kept
     assert entry.paired.proposer == "ngram" and entry.paired.draft_len == 3 and entry.paired.speedup == pytest.approx(1.2)
-    choice = choose_proposer("auto", entry, load_registry(), downloaded=set(), memory=None, history={})
+    choice = rank_proposers("auto", entry, load_registry(), downloaded=set(), memory=None, history={})[0]
     assert choice.proposer == "ngram" and "won `localspec pair`" in choice.reason
 
 

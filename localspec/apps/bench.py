@@ -24,11 +24,12 @@ from localspec.store import proposer_catalog
 from localspec.base.config import GenerationLimits, SamplingConfig, SpecConfig
 from localspec.runtime.costs import CALIBRATION_PREFIX, time_forward
 from localspec.base.errors import LocalspecError
+from localspec.core.prompt import chat_text
 from localspec.core.stats import GenerationStats
 from localspec.apps.llamacpp import LlamaCpp, measured_run, ratios
 from localspec.store.gguf_mirror import ensure_gguf
 from localspec.store.tokenizers import load_tokenizer
-from localspec.store.proposer_catalog import choose_proposer
+from localspec.store.proposer_catalog import rank_proposers
 from localspec.store.registry import load_registry
 from localspec.store.session import describe_weights, draft_entry_for, load_models, make_engine
 
@@ -184,7 +185,7 @@ def bench_weights(args, entry, registry, prompts, wanted, spec: SpecConfig, labe
 
     modes = list(wanted) + ([] if args.no_hf else [m for m in HF_MODES if m != "hf-assisted" or draft])
     results: dict[str, list[dict]] = {m: [] for m in modes}
-    engines = {name: make_engine(target, draft, name, spec, choose_proposer(name, entry)[1]) for name in wanted}
+    engines = {name: make_engine(target, draft, name, spec, rank_proposers(name, entry)[0].reason) for name in wanted}
     encoded = [engines["none"].encode(p["prompt"]) for p in prompts]
     eos = engines["none"].eos
 
@@ -266,13 +267,6 @@ class LlamaCppSide:
     """How many tokens localspec reads in each text (None without a chat template: not compared)."""
     long_prompt: str
     long_text: str
-
-
-def chat_text(tokenizer, prompt: str) -> str:
-    """The prompt as Engine.encode sees it, as text (special tokens written out) for llama.cpp."""
-    if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False)
-    return prompt
 
 
 def long_prompt(tokenizer, tokens: int = LONG_PROMPT_TOKENS) -> str:

@@ -16,6 +16,7 @@ from pathlib import Path
 from localspec.store import proposer_catalog
 from localspec.base.config import DRAFT_QUANTS, DTYPES, QUANTS, GenerationLimits, SamplingConfig, SpecConfig, eagle_head_dir
 from localspec.base.errors import LocalspecError
+from localspec.core.prompt import check_text
 from localspec.store.measurements import pair_key
 from localspec.store.registry import load_registry
 
@@ -158,8 +159,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     limits = GenerationLimits(args.max_new_tokens, tuple(args.stop))
     spec = spec_from(args, args.proposer)
     prompt = _read_prompt(args.prompt)
-    if not prompt.strip():
-        raise LocalspecError("the prompt is empty")
+    check_text(prompt)  # before any model loads
 
     from localspec.core.stats import GenerationStats
     from localspec.store.measurements import record_generation

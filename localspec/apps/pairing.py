@@ -24,7 +24,7 @@ from localspec.store.measurements import record_generation
 from localspec.core.policy import best_draft_len
 from localspec.store.measurements import pair_key
 from localspec.store.registry import ModelEntry, Registry, fitting_targets, load_registry, read_user_registry, user_registry_path
-from localspec.store.session import load_models, make_engine, release_engine
+from localspec.store.session import Session, load_models
 
 PAIR_PROMPTS = 3
 """Prompts measured per candidate (from the bench set unless the user gives a file)."""
@@ -91,12 +91,12 @@ def pair(
     results: list[Candidate] = []
     drafting = [name for name, kind in proposer_catalog.KINDS.items() if kind.draft_model]
     for draft_entry, proposers in [(None, alone), *((d, drafting) for d in drafts)]:
-        target_model, draft_model, _ = load_models(entry, draft_entry, proposers[-1], dtype, spec, quiet=True)
+        session = Session(entry, registry, *load_models(entry, draft_entry, proposers[-1], dtype, spec, quiet=True))
         for proposer in proposers:
-            engine = make_engine(target_model, draft_model, proposer, spec, "measured by localspec pair")
+            engine = session.switch_proposer(proposer, spec, "measured by localspec pair")
             results.append(_measure(engine, entry.name, proposer, draft_entry, prompts, max_new_tokens, spec, say))
-            release_engine(engine)  # an EAGLE head's hooks must not stay on the target for the next proposer
-        del target_model, draft_model, engine  # before the next draft's load: two targets may not fit
+        session.close()  # an EAGLE head's hooks must not stay on the target for the next pair
+        del session, engine  # before the next draft's load: two targets may not fit
 
     best = max(results, key=lambda c: c.tokens_per_second)
     plain = next(c for c in results if c.proposer == "none").tokens_per_second

@@ -14,6 +14,7 @@ from textual.screen import Screen
 from textual.widgets import Footer, Header, ListView, Static, TextArea
 
 from localspec.base.errors import LocalspecError
+from localspec.core.prompt import is_blank
 from localspec.apps.tui.backend import available_proposers
 from localspec.apps.tui.history import Conversation, Message, title_for
 from localspec.apps.tui.streaming import Batch, stream_answer
@@ -87,7 +88,7 @@ class ChatScreen(Screen):
     async def action_send(self) -> None:
         prompt = self.query_one("#prompt", TextArea)
         text = prompt.text
-        if not text.strip():
+        if is_blank(text):
             return
         if self.generating:
             self.notify("An answer is still streaming: Esc stops it.", severity="warning")
