@@ -2,10 +2,9 @@
 
 For the default pair's shapes (Qwen2.5-Coder 1.5B target, 0.5B draft) and a published 8B shape
 (Llama-3.1-8B), with random bf16 weights (a lent GPU reaches no hub): milliseconds of a 1-token and
-a 16-token pass after 128 and 1024 cached tokens, with SDPA (transformers' forward), the row-exact
-attention as the eager pass runs it (Triton rows), and the same pass replayed from a CUDA graph
-(localspec/graphs.py); and plain decoding's tokens per second through the engine, with and
-without graphs.
+a 16-token pass after 128 and 1024 cached tokens through the `TargetPass` generation runs, eagerly
+(the row-exact attention in Triton rows) and replayed from a CUDA graph (localspec/runtime/graphs.py);
+and plain decoding's tokens per second through the engine, with and without graphs.
 """
 
 from __future__ import annotations
@@ -17,12 +16,11 @@ import time
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from localspec.runtime.attention import use_exact_attention
 from localspec.base.config import GenerationLimits
-from localspec.runtime.costs import time_forward
 from localspec.core.engine import Engine
-from localspec.runtime.graphs import GraphRunner
-from localspec.runtime.kv import KVCache
+from localspec.core.stats import GenerationStats
+from localspec.runtime.costs import time_forward
+from localspec.runtime.target_pass import TargetPass
 
 SHAPES = {
     "qwen2.5-coder-1.5b": (Qwen2Config, Qwen2ForCausalLM, dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
@@ -42,32 +40,6 @@ def random_model(name: str) -> torch.nn.Module:
         return model_class._from_config(config, dtype=torch.bfloat16).eval().requires_grad_(False)
 
 
-@torch.inference_mode()
-def time_replays(model: torch.nn.Module, widths: tuple[int, ...], context: int, repeats: int = 3) -> dict[int, float]:
-    """Best-of-`repeats` seconds of a pass replayed from a CUDA graph after `context` cached tokens,
-    as the engine runs it (inputs copied in, logits copied out); round 0 captures."""
-    vocab = model.config.vocab_size
-    gen = torch.Generator().manual_seed(0)
-    kv = KVCache(context + max(widths))
-    model(input_ids=torch.randint(0, vocab, (1, context), generator=gen).cuda(), cache=kv.cache, use_cache=True,
-          logits_to_keep=1)
-    runner = GraphRunner(model)
-    best = {width: float("inf") for width in widths}
-    for round_ in range(repeats + 1):
-        for width in widths:
-            ids = torch.randint(0, vocab, (1, width), generator=gen)
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            logits = runner.run(kv, ids, torch.arange(context, context + width)[None], None, logit_rows=width)
-            torch.cuda.synchronize()
-            if logits is None:
-                raise RuntimeError(runner.off or "the runner left the pass to the eager path")
-            if round_:
-                best[width] = min(best[width], time.perf_counter() - start)
-            kv.truncate(context)
-    return best
-
-
 def decode_tok_s(model: torch.nn.Module, graphs: bool) -> tuple[float, list[str]]:
     """Plain decoding through the engine: tokens per second, and its notices."""
     engine = Engine(model, None, None)
@@ -77,8 +49,10 @@ def decode_tok_s(model: torch.nn.Module, graphs: bool) -> tuple[float, list[str]
     for _ in engine.generate(prompt, limits=GenerationLimits(8)):  # warm-up: compiles, captures
         pass
     started = time.perf_counter()
-    produced = sum(len(ev.pieces) for ev in engine.generate(prompt, limits=GenerationLimits(64)))
-    return round(produced / (time.perf_counter() - started), 1), engine.stats.notices
+    stats, produced = GenerationStats(), 0
+    for event in engine.generate(prompt, limits=GenerationLimits(64)):
+        stats, produced = event.fold(stats), produced + len(event.pieces)
+    return round(produced / (time.perf_counter() - started), 1), stats.notices
 
 
 def main() -> None:
@@ -87,15 +61,16 @@ def main() -> None:
         started = time.perf_counter()
         model = random_model(name)
         row = {"build_seconds": round(time.perf_counter() - started, 1)}
-        for attention in ("sdpa", "exact", "graphs"):
-            if attention == "exact":
-                use_exact_attention(model)
+        for path in ("eager", "graphs"):
             for context in (128, 1024):
+                target = TargetPass(model)
+                if path == "eager":
+                    target.graphs = None
                 try:
-                    costs = (time_replays if attention == "graphs" else time_forward)(model, (1, 16), repeats=3, context=context)
-                    row[f"{attention}|context={context}"] = {w: round(s * 1000, 2) for w, s in costs.items()}  # ms
+                    costs = time_forward(model, (1, 16), repeats=3, context=context, target=target)
+                    row[f"{path}|context={context}"] = {w: round(s * 1000, 2) for w, s in costs.items()}  # ms
                 except Exception as exc:  # one failing measurement must not cost the others
-                    row[f"{attention}|context={context}"] = repr(exc)[:300]
+                    row[f"{path}|context={context}"] = repr(exc)[:300]
         for graphs in (True, False):
             tok_s, notices = decode_tok_s(model, graphs)
             row["plain_decode_tok_s" + ("" if graphs else "_eager")] = tok_s

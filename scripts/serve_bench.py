@@ -22,6 +22,7 @@ import uvicorn
 
 from localspec.apps.bench import load_prompts
 from localspec.base.config import GenerationLimits, SamplingConfig, SpecConfig
+from localspec.core.stats import GenerationStats
 from localspec.apps.serve.app import create_app, listen
 from localspec.apps.serve.turns import Served
 from localspec.store.session import open_session
@@ -29,9 +30,10 @@ from localspec.store.session import open_session
 
 def direct(engine, messages, n: int) -> tuple[float, float]:
     engine.forget()
-    for _ in engine.generate(messages, SamplingConfig(), GenerationLimits(n)):
-        pass
-    return engine.stats.ttft_seconds, engine.stats.decode_tokens_per_second
+    stats = GenerationStats()
+    for event in engine.generate(messages, SamplingConfig(), GenerationLimits(n)):
+        stats = event.fold(stats)
+    return stats.ttft_seconds, stats.decode_tokens_per_second
 
 
 def streamed(url: str, messages, n: int) -> tuple[str, float, float, dict]:

@@ -19,6 +19,7 @@ from localspec.base.config import GenerationLimits, SamplingConfig, SpecConfig
 from localspec.runtime.costs import CostModel
 from localspec.core.engine import Engine
 from localspec.core.proposers import NgramProposer
+from localspec.core.stats import GenerationStats
 
 
 def tiny_model(context: int) -> torch.nn.Module:
@@ -52,18 +53,19 @@ def long_generation(tokens: int) -> list[str]:
     costs = CostModel({1: 0.002, 4: 0.0022, 16: 0.003})
     engine = Engine(model, None, NgramProposer(), SpecConfig(), costs=costs)
     lines, chunk, mark, produced = [], 1000, time.perf_counter(), 0
-    start_rss = rss_mb()
+    start_rss, stats = rss_mb(), GenerationStats()
     for event in engine.generate(list(range(1, 33)), SamplingConfig(temperature=0.8, seed=1), GenerationLimits(tokens)):
+        stats = event.fold(stats)
         before = produced
         produced += len(event.pieces)
         if produced // chunk > before // chunk:
             now = time.perf_counter()
             lines.append(
                 f"  tokens {produced // chunk * chunk:6d}: {chunk / (now - mark):7.1f} tok/s, RSS {rss_mb():7.1f} MB "
-                f"(+{rss_mb() - start_rss:5.1f}), KV {len(engine.kv)} positions, stats consistent: {consistent(engine.stats)}"
+                f"(+{rss_mb() - start_rss:5.1f}), KV {len(engine.kv)} positions, stats consistent: {consistent(stats)}"
             )
             mark = now
-    lines.append(f"  done: {engine.stats.summary()}")
+    lines.append(f"  done: {stats.summary()}")
     return lines
 
 
@@ -74,14 +76,17 @@ def long_chat(turns: int) -> list[str]:
     lines, start_rss = [], rss_mb()
     for turn in range(1, turns + 1):
         started = time.perf_counter()
-        answer = [p.token_id for ev in engine.generate(history, limits=GenerationLimits(100)) for p in ev.pieces]
+        answer, stats = [], GenerationStats()
+        for event in engine.generate(history, limits=GenerationLimits(100)):
+            answer += [p.token_id for p in event.pieces]
+            stats = event.fold(stats)
         seconds = time.perf_counter() - started
         history = history + answer + [turn % 90, (turn * 7) % 90]  # the next user message
         if turn % 10 == 0 or turn == 1:
             lines.append(
                 f"  turn {turn:3d}: context {len(history):6d} tokens, {len(answer) / seconds:7.1f} tok/s, "
-                f"prefill {engine.stats.prefill_seconds * 1000:6.1f} ms (prefix reused), RSS {rss_mb():7.1f} MB "
-                f"(+{rss_mb() - start_rss:5.1f}), stats consistent: {consistent(engine.stats)}"
+                f"prefill {stats.prefill_seconds * 1000:6.1f} ms (prefix reused), RSS {rss_mb():7.1f} MB "
+                f"(+{rss_mb() - start_rss:5.1f}), stats consistent: {consistent(stats)}"
             )
     return lines
 

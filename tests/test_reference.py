@@ -54,8 +54,7 @@ def next_token_logits(model: torch.nn.Module, prompt: list[int], continuation: l
 def untouched(model: torch.nn.Module, attention: str) -> bool:
     """Nothing of localspec on the model: its own attention, forward and modules."""
     return (model.config._attn_implementation == attention and "forward" not in vars(model)
-            and not hasattr(model, "_lean_forward") and all(type(m).__module__.startswith(("transformers", "torch"))
-                                                            for m in model.modules()))
+            and all(type(m).__module__.startswith(("transformers", "torch")) for m in model.modules()))
 
 
 def proposers(target: torch.nn.Module, arch: str) -> dict:

@@ -57,16 +57,17 @@ class CostModel:
 
 
 @torch.inference_mode()
-def time_forward(model: torch.nn.Module, widths: tuple[int, ...], repeats: int = 4, context: int = CALIBRATION_PREFIX) -> dict[int, float]:
+def time_forward(model: torch.nn.Module, widths: tuple[int, ...], repeats: int = 4, context: int = CALIBRATION_PREFIX,
+                 target: TargetPass | None = None) -> dict[int, float]:
     """Best-of-`repeats` seconds of one pass over `width` new tokens after `context` cached ones,
-    through a `TargetPass` as generation makes it (attention, weights, CUDA graphs where they
-    replay): the pass generation runs.
+    through `target`, by default the `TargetPass` generation makes for `model` (attention, weights,
+    CUDA graphs where they replay): the pass generation runs.
 
     Widths are measured in interleaved rounds, so a burst of other work on the machine spoils one
     sample of each width rather than every sample of one.
     """
     wait_for_packing(model)
-    target = TargetPass(model)
+    target = TargetPass(model) if target is None else target
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(0)
     prefix = torch.randint(0, vocab, (1, context), generator=gen)  # (1, context)
