@@ -30,11 +30,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from localspec.base.errors import LocalspecError, first_line
+from localspec.base.errors import LocalspecError
 from localspec.base.files import write_text_atomic
 from localspec.core.prompt import chat_ids
 from localspec.core.proposers.eagle import FeatureTap
-from localspec.core.proposers.eagle_head import EagleHead, HeadConfig, save_head
+from localspec.core.proposers.eagle_head import EagleHead, HeadConfig, load_weights_only, save_head
 from localspec.runtime.quant import dense_weight
 
 PROMPT_CONTEXT = 32
@@ -277,15 +277,8 @@ _RECORD_KEYS = {"ids", "valid", "features", "final"}
 
 
 def load_resume_file(path: Path, keys: tuple[str, ...]) -> dict:
-    """A resume file through torch's weights-only loader: tensors, numbers, lists and dicts only,
-    so a planted file cannot run code; a damaged or foreign one is one line naming it."""
-    try:
-        stored = torch.load(path, weights_only=True)
-    except Exception as exc:
-        # torch's own message for a refused object suggests weights_only=False: not said here
-        refused = "Weights only load failed" in str(exc)
-        reason = "not only tensors and numbers: refused, as loading it could run code" if refused else first_line(exc)
-        raise LocalspecError(f"{path} cannot be read as localspec training state ({reason}); delete it to redo that step") from exc
+    """A resume file, read as `load_weights_only` reads it (a planted file cannot run code)."""
+    stored = load_weights_only(path, "localspec training state", "delete it to redo that step")
     if not isinstance(stored, dict) or not set(keys) <= stored.keys():
         raise LocalspecError(f"{path} is not localspec training state (expected {', '.join(keys)}); delete it to redo that step")
     return stored

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from localspec.base.errors import LocalspecError
+from localspec.base.errors import LocalspecError, first_line
 from localspec.runtime.quant import dense_weight
 
 
@@ -245,13 +245,25 @@ class HeadCheckpoint:
     """The head's own embedding, when the checkpoint carries one."""
 
 
+def load_weights_only(path: Path, what: str, remedy: str):
+    """A torch file through torch's weights-only loader: tensors, numbers, lists and dicts only, so
+    a planted file cannot run code; a refused, damaged or foreign one is one line naming it."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        # torch's own message for a refused object suggests weights_only=False: never said here
+        refused = "Weights only load failed" in str(exc)
+        reason = "not only tensors and numbers: refused, as loading it could run code" if refused else first_line(exc)
+        raise LocalspecError(f"{path} cannot be read as {what} ({reason}); {remedy}") from exc
+
+
 def _read_state(directory: Path) -> dict[str, torch.Tensor]:
     if (directory / WEIGHTS_NAME).exists():
         from safetensors.torch import load_file
 
         return load_file(str(directory / WEIGHTS_NAME))
     if (directory / LEGACY_WEIGHTS_NAME).exists():
-        return torch.load(directory / LEGACY_WEIGHTS_NAME, map_location="cpu", weights_only=True)
+        return load_weights_only(directory / LEGACY_WEIGHTS_NAME, "an EAGLE head", "download or train it again")
     raise LocalspecError(f"{directory}: no {WEIGHTS_NAME} or {LEGACY_WEIGHTS_NAME} (not an EAGLE head directory)")
 
 
