@@ -33,6 +33,19 @@ def tiny_model(arch: str = "llama", seed: int = 0, vocab: int = VOCAB, layers: i
     return model.eval().requires_grad_(False)
 
 
+def quantized_as_loaded(model, quant: str):
+    """`model` with its linears in `quant` (int4, int8, w8a8, w4a8), in the steps the loader takes."""
+    from localspec.runtime import quant as quantization
+
+    quantization.quantize_model(model, quant, torch.device("cpu"))
+    model.to(quantization.COMPUTE_DTYPE)
+    if quant == "w8a8":
+        quantization.quantize_activations(model)
+    if quant == "w4a8":
+        quantization.use_w4a8(model, None)
+    return model
+
+
 class CharTokenizer:
     """Printable ASCII as token ids (id = ord(c) - 32); id 0 (space) ... 94 ('~'), 95 = EOS."""
 

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from conftest import PROMPT_IDS, assert_speculation_reproduces_greedy, hf_greedy, tiny_model
+from conftest import PROMPT_IDS, assert_speculation_reproduces_greedy, hf_greedy, quantized_as_loaded, tiny_model
 from localspec.runtime import quant as quantization
 from localspec.base.config import GenerationLimits, SpecConfig
 from localspec.core.engine import Engine
@@ -86,14 +86,7 @@ def test_w8a8_linear_sums_exactly_and_each_row_alone(out_features, in_features):
 
 
 def quantized_tiny(quant: str, seed: int = 0):
-    model = tiny_model("llama", seed=seed, hidden=64)
-    quantization.quantize_model(model, quant, torch.device("cpu"))
-    model.to(quantization.COMPUTE_DTYPE)
-    if quant == "w8a8":
-        quantization.quantize_activations(model)
-    if quant == "w4a8":
-        quantization.use_w4a8(model, None)
-    return model
+    return quantized_as_loaded(tiny_model("llama", seed=seed, hidden=64), quant)
 
 
 @pytest.mark.parametrize("quant", [pytest.param("int4", marks=needs_int4), "int8", pytest.param("w8a8", marks=needs_w8a8),

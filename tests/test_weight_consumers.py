@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import PROMPT_IDS, CharTokenizer, hf_greedy, tiny_model
+from conftest import PROMPT_IDS, CharTokenizer, hf_greedy, quantized_as_loaded, tiny_model
 from localspec.base.config import GenerationLimits, SpecConfig
 from localspec.base.errors import LocalspecError
 from localspec.core.engine import Engine
@@ -178,14 +178,7 @@ def quantized_target(quant: str, tied: bool):
 
         place(model.to(torch.bfloat16), "nf4", CPU)
         return model
-    if quant != "none":
-        quantization.quantize_model(model, quant, CPU)
-        model.to(quantization.COMPUTE_DTYPE)
-    if quant == "w8a8":
-        quantization.quantize_activations(model)
-    if quant == "w4a8":
-        quantization.use_w4a8(model, None)
-    return model
+    return model if quant == "none" else quantized_as_loaded(model, quant)
 
 
 FORMATS = [  # (format, tied embeddings, what it needs, EAGLE versions)
