@@ -21,10 +21,10 @@ import httpx
 import uvicorn
 
 from localspec.apps.bench import load_prompts
-from localspec.base.config import GenerationLimits, SamplingConfig, SpecConfig
-from localspec.core.stats import GenerationStats
 from localspec.apps.serve.app import create_app, listen
 from localspec.apps.serve.turns import Served
+from localspec.base.config import GenerationLimits, SamplingConfig, SpecConfig
+from localspec.core.stats import GenerationStats
 from localspec.store.session import open_session
 
 

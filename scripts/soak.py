@@ -16,10 +16,10 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from localspec.base.config import GenerationLimits, SamplingConfig, SpecConfig
-from localspec.runtime.costs import CostModel
 from localspec.core.engine import Engine
 from localspec.core.proposers import NgramProposer
 from localspec.core.stats import GenerationStats
+from localspec.runtime.costs import CostModel
 
 
 def tiny_model(context: int) -> torch.nn.Module:

@@ -9,10 +9,10 @@ from pathlib import Path
 
 from textual.widgets import TextArea
 
-from localspec.base.config import GenerationLimits
 from localspec.apps.tui.app import LocalspecApp
 from localspec.apps.tui.backend import ChatSettings, SessionBackend
 from localspec.apps.tui.history import HistoryStore
+from localspec.base.config import GenerationLimits
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 PROMPT = "Write a Python function that checks whether a string is a palindrome."

@@ -15,11 +15,11 @@ bnb = pytest.importorskip("bitsandbytes")
 
 from conftest import PROMPT_IDS, hf_greedy, tiny_model  # noqa: E402
 from localspec.base.config import GenerationLimits, SpecConfig  # noqa: E402
-from localspec.runtime.costs import CostModel  # noqa: E402
 from localspec.core.engine import Engine  # noqa: E402
-from localspec.store.loading import place  # noqa: E402
 from localspec.core.proposers import DraftModelProposer, NgramProposer  # noqa: E402
 from localspec.core.proposers.eagle import EagleProposer  # noqa: E402
+from localspec.runtime.costs import CostModel  # noqa: E402
+from localspec.store.loading import place  # noqa: E402
 from test_eagle import random_head  # noqa: E402
 
 CPU = torch.device("cpu")

@@ -113,10 +113,10 @@ def test_wrong_layouts_are_refused():
 @needs_kernel
 def test_a_model_with_the_kernel_and_with_the_torch_loop_agree_and_each_keeps_greedy_identity(monkeypatch):
     from conftest import PROMPT_IDS, hf_greedy, tiny_model
-    from localspec.runtime import attention
     from localspec.base.config import GenerationLimits, SpecConfig
     from localspec.core.engine import Engine
     from localspec.core.proposers import NgramProposer
+    from localspec.runtime import attention
 
     model = tiny_model("qwen2", hidden=64)
     attention.use_exact_attention(model)

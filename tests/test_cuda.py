@@ -16,9 +16,9 @@ pytestmark = [
 
 from conftest import PROMPT_IDS, hf_greedy, tiny_model  # noqa: E402
 from localspec.base.config import GenerationLimits, SamplingConfig, SpecConfig  # noqa: E402
-from localspec.runtime.costs import CostModel  # noqa: E402
 from localspec.core.engine import Engine  # noqa: E402
 from localspec.core.proposers import DraftModelProposer, NgramProposer  # noqa: E402
+from localspec.runtime.costs import CostModel  # noqa: E402
 
 CUDA = torch.device("cuda")
 COSTS = CostModel({1: 1.0, 2: 1.02, 4: 1.05, 8: 1.1, 16: 1.3, 32: 1.8}, 0.01)
@@ -93,12 +93,12 @@ def test_nf4_loads_into_the_gpu_without_the_16bit_model():
 def test_a_graph_replay_gives_the_eager_logits_bit_for_bit():
     """The same kernels on the same values: chain passes of 1 and 4 rows and a tree pass, replayed
     from captured graphs, against eager lean passes (which build their own row tables)."""
+    from localspec.core.tree import Draft, verify_inputs, visible_rows
     from localspec.runtime.attention import RowPlan
     from localspec.runtime.attention import use_exact_attention
     from localspec.runtime.decoder import lean_forward
     from localspec.runtime.graphs import GraphRunner
     from localspec.runtime.kv import KVCache
-    from localspec.core.tree import Draft, verify_inputs, visible_rows
 
     target = on_gpu(tiny_model("llama", layers=4))
     use_exact_attention(target)

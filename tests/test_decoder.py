@@ -7,12 +7,12 @@ import pytest
 import torch
 from conftest import VOCAB, tiny_model
 
+from localspec.core.tree import Draft, verify_inputs, visible_rows
 from localspec.runtime import target_pass
 from localspec.runtime.attention import NAME as EXACT_ATTENTION, ROW_BY_ROW_UP_TO, RowPlan, use_exact_attention
 from localspec.runtime.decoder import lean_forward, unsupported_reason
 from localspec.runtime.kv import KVCache
 from localspec.runtime.target_pass import TargetPass
-from localspec.core.tree import Draft, verify_inputs, visible_rows
 
 
 def prefilled(model, n: int = 20) -> tuple[KVCache, list[int]]:

@@ -8,12 +8,12 @@ import torch
 
 from conftest import PROMPT_IDS, hf_greedy, tiny_model
 from localspec.base.config import GenerationLimits, SamplingConfig, SpecConfig
-from localspec.runtime.costs import CostModel
 from localspec.core.engine import Engine
 from localspec.core.proposers.eagle import EagleProposer, FeatureTap
 from localspec.core.proposers.eagle_head import EagleHead, HeadConfig, build_head, load_head, save_head
 from localspec.core.sampling import make_generator
 from localspec.core.tree import Draft, verify_inputs
+from localspec.runtime.costs import CostModel
 from test_lossless_sampling import PROMPT, VOCAB, chi2, chi2_limit, exact_pairs
 
 CHEAP_WIDE_PASSES = CostModel({1: 1.0, 2: 1.02, 4: 1.05, 8: 1.1, 16: 1.3, 32: 1.8}, 0.0)
@@ -161,9 +161,9 @@ HELD_OUT = [
 
 @pytest.mark.real_model
 def test_a_head_trained_here_for_smollm2_drafts_two_tokens_per_pass(tmp_path):
+    from localspec.apps.train_eagle import TrainSettings, train_eagle
     from localspec.store.loading import load_model
     from localspec.store.registry import load_registry
-    from localspec.apps.train_eagle import TrainSettings, train_eagle
 
     loaded = load_model(load_registry().get("smollm2-135m"), torch.float32, progress=False)
     # the test-sized budget: 128 greedy answers of up to 160 tokens, 6 epochs (~7 min on 2 cores)

@@ -9,12 +9,12 @@ import torch
 
 from conftest import CharTokenizer, hf_greedy, tiny_model
 from localspec.base.config import GenerationLimits, SamplingConfig, SpecConfig
-from localspec.runtime.costs import CostModel
-from localspec.core.engine import Engine, StopScanner, Piece
 from localspec.base.errors import LocalspecError
+from localspec.core.engine import Engine, StopScanner, Piece
 from localspec.core.proposers import DraftModelProposer, NgramProposer
 from localspec.core.proposers.base import Proposer
 from localspec.core.tree import Draft
+from localspec.runtime.costs import CostModel
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11, 12, 5, 6, 7, 8, 40, 41, 42, 5, 6, 7]
 

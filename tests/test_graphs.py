@@ -17,15 +17,15 @@ pytest.importorskip("triton")
 if os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("runs the Triton rows on CPU tensors, under the interpreter", allow_module_level=True)
 
-from localspec.runtime.attention import RowPlan, RowTable, use_exact_attention  # noqa: E402
 from localspec.base.config import GenerationLimits, SpecConfig  # noqa: E402
-from localspec.runtime import target_pass  # noqa: E402
-from localspec.runtime.decoder import lean_forward  # noqa: E402
 from localspec.core.engine import Engine  # noqa: E402
-from localspec.runtime.graphs import MAX_WIDTH, GraphRunner, no_capture, unavailable_reason  # noqa: E402
-from localspec.runtime.kv import KVCache, extend_to  # noqa: E402
 from localspec.core.proposers import DraftModelProposer, NgramProposer  # noqa: E402
 from localspec.core.tree import Draft, verify_inputs, visible_rows  # noqa: E402
+from localspec.runtime import target_pass  # noqa: E402
+from localspec.runtime.attention import RowPlan, RowTable, use_exact_attention  # noqa: E402
+from localspec.runtime.decoder import lean_forward  # noqa: E402
+from localspec.runtime.graphs import MAX_WIDTH, GraphRunner, no_capture, unavailable_reason  # noqa: E402
+from localspec.runtime.kv import KVCache, extend_to  # noqa: E402
 from localspec.runtime.target_pass import TargetPass  # noqa: E402
 
 CPU = torch.device("cpu")

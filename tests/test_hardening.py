@@ -23,11 +23,11 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from conftest import tiny_model
-from localspec.store import converted, session as session_module
 from localspec.apps.cli import main
-from localspec.runtime.costs import CostModel
 from localspec.base.errors import LocalspecError, is_out_of_memory
 from localspec.base.files import locked, write_text_atomic
+from localspec.runtime.costs import CostModel
+from localspec.store import converted, session as session_module
 from localspec.store.proposer_catalog import Candidate
 from localspec.store.registry import MirrorSource, ModelEntry, load_registry
 
@@ -185,8 +185,8 @@ def test_any_chat_history_file_is_listed_or_skipped(tmp_path_factory, data):
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])  # rewritten per example
 @given(data=file_contents("pairing"))
 def test_any_pairing_history_is_read_and_added_to(home, data, monkeypatch):
-    from localspec.store import measurements
     from localspec.core.stats import GenerationStats
+    from localspec.store import measurements
 
     monkeypatch.setattr(measurements, "machine_id", lambda: "m")
     home.mkdir(parents=True, exist_ok=True)
@@ -381,8 +381,8 @@ def test_a_second_process_fetching_the_same_model_waits_for_the_first_then_finds
 
 
 RECORD = textwrap.dedent("""
-    from localspec.store.measurements import record_generation, save_calibration
     from localspec.core.stats import GenerationStats
+    from localspec.store.measurements import record_generation, save_calibration
 
     import sys
     stats = GenerationStats(new_tokens=11, decode_seconds=1.0, plain_token_seconds=0.05, drafted=5, accepted=5)

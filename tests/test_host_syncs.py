@@ -14,10 +14,10 @@ import torch
 
 from conftest import PROMPT_IDS, tiny_model
 from localspec.base.config import GenerationLimits, SamplingConfig, SpecConfig
-from localspec.runtime.costs import CostModel
 from localspec.core.engine import Engine
 from localspec.core.proposers import DraftModelProposer, NgramProposer
 from localspec.core.proposers.eagle import EagleProposer
+from localspec.runtime.costs import CostModel
 from test_eagle import random_head
 
 CONVERSIONS = ("item", "tolist", "__int__", "__float__", "__bool__", "__index__", "nonzero", "cpu", "numpy")

@@ -15,9 +15,9 @@ from types import SimpleNamespace
 import pytest
 from huggingface_hub import constants
 
-from localspec.store import gguf_mirror, hub, paths
 from localspec.apps.cli import main
 from localspec.base.errors import LocalspecError
+from localspec.store import gguf_mirror, hub, paths
 from localspec.store.registry import MirrorSource, ModelEntry
 
 REPO = "org/tiny"

@@ -20,10 +20,10 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from conftest import tiny_model
-from localspec.store import converted, gguf_mirror, loading
-from localspec.runtime import quant as quantization
 from localspec.base.errors import LocalspecError
 from localspec.base.files import hold, remove_unless_held, size_on_disk
+from localspec.runtime import quant as quantization
+from localspec.store import converted, gguf_mirror, loading
 from localspec.store.cleanup import discard_unused
 from localspec.store.paths import converted_root
 from localspec.store.progress import say

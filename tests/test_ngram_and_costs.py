@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from localspec.core.proposers.ngram import lookup
+from localspec.core.stats import GenerationStats
 from localspec.runtime.costs import CostModel
 from localspec.store.measurements import load_calibrations, measured_costs
-from localspec.core.stats import GenerationStats
-from localspec.core.proposers.ngram import lookup
 
 
 @pytest.mark.parametrize(
@@ -56,9 +56,9 @@ def test_calibration_times_the_attention_and_contexts_generation_runs(tmp_path, 
     measured SDPA), at two context lengths, under a key naming the attention path."""
     from conftest import tiny_model
     import localspec.runtime.costs as costs
-    from localspec.store import session
-    from localspec.runtime.attention import NAME
     from localspec.base.config import SpecConfig
+    from localspec.runtime.attention import NAME
+    from localspec.store import session
     from localspec.store.loading import LoadedModel
 
     monkeypatch.setenv("LOCALSPEC_HOME", str(tmp_path))

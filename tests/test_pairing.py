@@ -9,15 +9,15 @@ import pytest
 import torch
 
 from conftest import CharTokenizer, tiny_model
-from localspec.store import machine, measurements, paths, proposer_catalog, tokenizers
 from localspec.apps import pairing
 from localspec.base.config import eagle_head_dir
 from localspec.base.errors import LocalspecError
-from localspec.store.loading import LoadedModel
 from localspec.core.proposers.eagle_head import save_head
+from localspec.core.stats import GenerationStats
+from localspec.store import machine, measurements, paths, proposer_catalog, tokenizers
+from localspec.store.loading import LoadedModel
 from localspec.store.proposer_catalog import rank_proposers
 from localspec.store.registry import load_registry
-from localspec.core.stats import GenerationStats
 
 if sys.version_info >= (3, 11):
     import tomllib

@@ -5,16 +5,16 @@ from __future__ import annotations
 
 import pytest
 
-from localspec.store import proposer_catalog
 from localspec.apps.cli import build_parser
-from localspec.base.config import eagle_head_dir
-from localspec.base.errors import LocalspecError
-from localspec.store.proposer_catalog import KINDS, rank_proposers
-from localspec.store.registry import load_registry
 from localspec.apps.tui.app import LocalspecApp
 from localspec.apps.tui.backend import ChatSettings, available_proposers
 from localspec.apps.tui.fake import FakeBackend
 from localspec.apps.tui.history import HistoryStore
+from localspec.base.config import eagle_head_dir
+from localspec.base.errors import LocalspecError
+from localspec.store import proposer_catalog
+from localspec.store.proposer_catalog import KINDS, rank_proposers
+from localspec.store.registry import load_registry
 
 TARGET = "qwen2.5-coder-1.5b"  # has a registered draft
 LONE = "smollm2-135m"  # has none

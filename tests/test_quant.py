@@ -9,16 +9,16 @@ import pytest
 import torch
 
 from conftest import PROMPT_IDS, assert_speculation_reproduces_greedy, hf_greedy, quantized_as_loaded, tiny_model
-from localspec.runtime import quant as quantization
 from localspec.base.config import GenerationLimits, SpecConfig
-from localspec.core.engine import Engine
 from localspec.base.errors import LocalspecError
+from localspec.core.engine import Engine
 from localspec.core.proposers import DraftModelProposer, NgramProposer
 from localspec.kernels.cpu_int8 import Int8Linear
 from localspec.kernels.cpu_w4a8 import W4A8Linear
 from localspec.kernels.cpu_w8a8 import W8A8Linear, w8a8_linear_reference, w8a8_supported, wait_for_packing
 from localspec.kernels.int4_format import int4_matmul_reference, quantize_int4
 from localspec.kernels.int4_linear import Int4Linear, cpu_int4_supported
+from localspec.runtime import quant as quantization
 
 needs_int4 = pytest.mark.skipif(not cpu_int4_supported(), reason="this torch build has no CPU int4 matmul")
 needs_w8a8 = pytest.mark.skipif(not w8a8_supported(), reason="no exact oneDNN int8 matmul on this machine")

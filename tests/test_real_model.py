@@ -11,8 +11,8 @@ import torch
 
 from localspec.base.config import GenerationLimits, SpecConfig
 from localspec.core.engine import Engine
-from localspec.store.loading import load_model
 from localspec.core.proposers import DraftModelProposer, NgramProposer
+from localspec.store.loading import load_model
 from localspec.store.registry import load_registry
 
 pytestmark = pytest.mark.real_model

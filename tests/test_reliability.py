@@ -10,17 +10,17 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from conftest import hf_greedy, tiny_model
-from localspec.store import session as session_module
 from localspec.base.config import GenerationLimits, SamplingConfig, SpecConfig
-from localspec.runtime.costs import CostModel
-from localspec.core.engine import Engine
 from localspec.base.errors import LocalspecError
-from localspec.runtime.kv import KVCache
+from localspec.core.engine import Engine
 from localspec.core.policy import SpeedGuard
 from localspec.core.proposers import DraftModelProposer, NgramProposer
 from localspec.core.proposers.base import Proposer
 from localspec.core.tree import Draft, graft, matched_path, verify_inputs
 from localspec.core.verify import verify_greedy
+from localspec.runtime.costs import CostModel
+from localspec.runtime.kv import KVCache
+from localspec.store import session as session_module
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11, 12, 5, 6, 7, 8, 40, 41, 42, 5, 6, 7]
 

@@ -17,14 +17,14 @@ from starlette.testclient import TestClient
 
 from conftest import CharTokenizer, tiny_model
 from localspec.apps.cli import main
-from localspec.base.config import GenerationLimits, SamplingConfig, SpecConfig
-from localspec.core.engine import Engine, FinalEvent
-from localspec.base.errors import LocalspecError
-from localspec.core.proposers import NgramProposer
 from localspec.apps.serve.app import create_app, listen
 from localspec.apps.serve.config import ServeConfig
 from localspec.apps.serve.metrics import timings
 from localspec.apps.serve.turns import Served
+from localspec.base.config import GenerationLimits, SamplingConfig, SpecConfig
+from localspec.base.errors import LocalspecError
+from localspec.core.engine import Engine, FinalEvent
+from localspec.core.proposers import NgramProposer
 
 GREEDY = SamplingConfig(temperature=0.0)
 HELLO = [{"role": "user", "content": "abcdabcdabcd say abcd"}]

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from conftest import CharTokenizer, tiny_model
-from localspec.store import session
 from localspec.base.config import SpecConfig
 from localspec.base.errors import LocalspecError
+from localspec.store import session
 from localspec.store.loading import LoadedModel
 from localspec.store.proposer_catalog import Candidate
 from localspec.store.registry import load_registry

@@ -292,8 +292,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from localspec.kernels.triton_int4 import _int4_matmul_kernel
-from localspec.kernels.triton_sampling import _rejection_sample_kernel
 from localspec.kernels.triton_row_attention import _row_attention_kernel
+from localspec.kernels.triton_sampling import _rejection_sample_kernel
 
 def build(kernel, types, constexprs):
     signature = dict(zip(kernel.arg_names, types + ["constexpr"] * len(constexprs)))

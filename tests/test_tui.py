@@ -19,17 +19,17 @@ import pytest
 from rich.console import Console
 from textual.widgets import Markdown, Static, TextArea
 
-from localspec.base.config import GenerationLimits, SpecConfig
-from localspec.base.errors import LocalspecError
+from localspec.apps.pairing import Candidate
 from localspec.apps.tui import streaming
 from localspec.apps.tui.app import LocalspecApp
 from localspec.apps.tui.backend import ChatSettings, SessionBackend
 from localspec.apps.tui.fake import ANSWER, FakeBackend, FakeEngine
 from localspec.apps.tui.history import Conversation, HistoryStore, Message
-from localspec.apps.pairing import Candidate
-from localspec.core.stats import GenerationStats
 from localspec.apps.tui.screens import HelpScreen, SettingsScreen, WizardScreen
 from localspec.apps.tui.widgets import DRAFT_STYLE, MessageView, StatsPanel
+from localspec.base.config import GenerationLimits, SpecConfig
+from localspec.base.errors import LocalspecError
+from localspec.core.stats import GenerationStats
 
 pytestmark = pytest.mark.anyio  # async tests run under anyio's pytest plugin (asyncio backend)
 

@@ -7,12 +7,12 @@ import pytest
 import torch
 
 from conftest import assert_speculation_reproduces_greedy
-from localspec.runtime import quant as quantization
-from localspec.runtime.attention import use_exact_attention
 from localspec.base.errors import LocalspecError
 from localspec.kernels import cpu_w4a8
 from localspec.kernels.cpu_build import KernelUnavailable
 from localspec.kernels.int4_format import quantize_int4
+from localspec.runtime import quant as quantization
+from localspec.runtime.attention import use_exact_attention
 
 
 def kernel_or_none():

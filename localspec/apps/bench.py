@@ -20,18 +20,18 @@ from pathlib import Path
 
 import torch
 
-from localspec.store import proposer_catalog
+from localspec.apps.llamacpp import LlamaCpp, measured_run, ratios
 from localspec.base.config import GenerationLimits, SamplingConfig, SpecConfig
-from localspec.runtime.costs import CALIBRATION_PREFIX, time_forward
 from localspec.base.errors import LocalspecError
 from localspec.core.prompt import chat_text
 from localspec.core.stats import GenerationStats
-from localspec.apps.llamacpp import LlamaCpp, measured_run, ratios
+from localspec.runtime.costs import CALIBRATION_PREFIX, time_forward
+from localspec.store import proposer_catalog
 from localspec.store.gguf_mirror import ensure_gguf
-from localspec.store.tokenizers import load_tokenizer
 from localspec.store.proposer_catalog import rank_proposers
 from localspec.store.registry import load_registry
 from localspec.store.session import describe_weights, draft_entry_for, load_models, make_engine
+from localspec.store.tokenizers import load_tokenizer
 
 HF_MODES = ("hf-plain", "hf-assisted", "hf-prompt-lookup")
 PASS_WIDTHS = (1, 16)  # the pass costs set beside llama-bench's

@@ -13,10 +13,10 @@ import os
 import sys
 from pathlib import Path
 
-from localspec.store import proposer_catalog
 from localspec.base.config import DRAFT_QUANTS, DTYPES, QUANTS, GenerationLimits, SamplingConfig, SpecConfig, eagle_head_dir
 from localspec.base.errors import LocalspecError
 from localspec.core.prompt import check_text
+from localspec.store import proposer_catalog
 from localspec.store.measurements import pair_key
 from localspec.store.registry import load_registry
 
@@ -259,8 +259,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_train_eagle(args: argparse.Namespace) -> int:
-    from localspec.store.session import load_models
     from localspec.apps.train_eagle import TrainSettings, train_eagle
+    from localspec.store.session import load_models
 
     settings = TrainSettings(
         version=1 if args.eagle1 else 3, max_tokens=args.max_tokens, self_distill=args.self_distill,

@@ -14,14 +14,14 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from localspec.store import hub, loading, paths, proposer_catalog, tokenizers
 from localspec.apps.bench import load_prompts, localspec_answer, machine_info
 from localspec.base.config import SpecConfig
 from localspec.base.errors import LocalspecError
 from localspec.base.files import locked, write_text_atomic
+from localspec.core.policy import best_draft_len
+from localspec.store import hub, loading, paths, proposer_catalog, tokenizers
 from localspec.store.machine import check_eagle_head, check_tokenizers, free_memory
 from localspec.store.measurements import record_generation
-from localspec.core.policy import best_draft_len
 from localspec.store.measurements import pair_key
 from localspec.store.registry import ModelEntry, Registry, fitting_targets, load_registry, read_user_registry, user_registry_path
 from localspec.store.session import Session, load_models

@@ -22,21 +22,21 @@ from dataclasses import dataclass, field
 
 import torch
 
-from localspec.runtime.attention import RowPlan
 from localspec.base.config import GenerationLimits, SamplingConfig, SpecConfig
-from localspec.runtime.costs import CostModel
 from localspec.base.errors import is_out_of_memory
-from localspec.runtime.kv import CachedTokens, common_prefix
 from localspec.core.policy import DraftPolicy, Proposal
 from localspec.core.prompt import chat_ids, check_ids, check_text
 from localspec.core.proposers.base import Proposer
 from localspec.core.proposers.ngram import NgramProposer
-from localspec.runtime.quant import prompt_pass
-from localspec.runtime.target_pass import TargetPass
 from localspec.core.sampling import make_generator
 from localspec.core.stats import GenerationStats, Opening, PassFigures
 from localspec.core.tree import Draft, verify_inputs, visible_rows
 from localspec.core.verify import verify
+from localspec.runtime.attention import RowPlan
+from localspec.runtime.costs import CostModel
+from localspec.runtime.kv import CachedTokens, common_prefix
+from localspec.runtime.quant import prompt_pass
+from localspec.runtime.target_pass import TargetPass
 
 PREFILL_CHUNK = 512
 """Prompt tokens per prefill pass: bounds the attention scratch memory of long prompts."""

@@ -29,10 +29,10 @@ from operator import mul
 import torch
 
 from localspec.base.config import SamplingConfig, SpecConfig
-from localspec.runtime.costs import CostModel
-from localspec.runtime.kv import common_prefix
 from localspec.core.proposers.base import Proposer
 from localspec.core.tree import Draft, graft, matched_path
+from localspec.runtime.costs import CostModel
+from localspec.runtime.kv import common_prefix
 
 DECAY = 0.9
 """How much a pass weighs in every running estimate next to the pass after it: about the last ten

@@ -24,8 +24,8 @@ from localspec.core.sampling import probs_from_logits
 from localspec.core.tree import Draft
 from localspec.kernels import rejection_rule
 from localspec.kernels.rejection_rule import children_table
-from localspec.kernels.triton_support import triton_available
 from localspec.kernels.triton_sampling import rejection_sample
+from localspec.kernels.triton_support import triton_available
 
 
 @dataclass

@@ -40,8 +40,8 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from localspec.base.config import home_dir
 from localspec.kernels.cpu_attention import AttentionKernel, VisibleRows, load as load_attention_kernel
 from localspec.kernels.cpu_build import KernelUnavailable
-from localspec.kernels.triton_support import triton_available
 from localspec.kernels.triton_row_attention import row_attention
+from localspec.kernels.triton_support import triton_available
 
 NAME = "localspec_exact"
 ROW_BY_ROW_UP_TO = 128

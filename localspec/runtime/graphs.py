@@ -28,10 +28,10 @@ from dataclasses import dataclass
 
 import torch
 
+from localspec.kernels.triton_support import triton_available
 from localspec.runtime.attention import RowPlan, RowTable
 from localspec.runtime.decoder import lean_forward, unsupported_reason
 from localspec.runtime.kv import KVCache, extend_to
-from localspec.kernels.triton_support import triton_available
 
 MAX_WIDTH = 16
 """Widest pass captured: one-token steps and the usual verify passes. Wider trees are rarer, cost

@@ -34,10 +34,10 @@ from huggingface_hub.errors import (
 )
 from huggingface_hub.utils.tqdm import silent_tqdm
 
-from localspec.store import gguf_mirror, paths
 from localspec.base.config import home_dir
 from localspec.base.errors import LocalspecError, first_line
 from localspec.base.files import inside, size_on_disk
+from localspec.store import gguf_mirror, paths
 from localspec.store.registry import ModelEntry, is_sha256
 
 DISK_MARGIN = 1 << 30

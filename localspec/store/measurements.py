@@ -25,13 +25,13 @@ from pathlib import Path
 
 import torch
 
-from localspec.runtime import costs
 from localspec.base.config import home_dir
 from localspec.base.files import locked, write_text_atomic
-from localspec.store.loading import pick_device
 from localspec.core.stats import GenerationStats
 from localspec.kernels.cpu_build import sources_digest
+from localspec.runtime import costs
 from localspec.runtime.target_pass import TargetPass
+from localspec.store.loading import pick_device
 
 
 def _calibration_file() -> Path:

@@ -25,9 +25,9 @@ from localspec.store.measurements import Measured, pair_key
 from localspec.store.registry import ModelEntry, Registry, load_registry
 
 if TYPE_CHECKING:
+    from localspec.core.proposers.base import Proposer
     from localspec.runtime.costs import CostModel
     from localspec.store.loading import LoadedModel
-    from localspec.core.proposers.base import Proposer
 
 MIN_HISTORY_TOKENS = 200
 """Fewer generated tokens than this say too little about a pair's speed to overrule the order."""

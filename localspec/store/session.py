@@ -18,17 +18,17 @@ from dataclasses import dataclass
 import psutil
 import torch
 
-from localspec.runtime import quant as quantization
-from localspec.store import proposer_catalog
-from localspec.core import policy
 from localspec.base.config import SpecConfig
-from localspec.runtime.costs import CostModel, WIDTHS, cost_model
-from localspec.core.engine import Engine
 from localspec.base.errors import LocalspecError, first_line, is_out_of_memory
+from localspec.core import policy
+from localspec.core.engine import Engine
+from localspec.runtime import quant as quantization
+from localspec.runtime.costs import CostModel, WIDTHS, cost_model
+from localspec.store import proposer_catalog
 from localspec.store.cleanup import discard_unused
 from localspec.store.loading import LoadedModel, load_model, pick_device, release_memory
-from localspec.store.paths import hub_snapshot
 from localspec.store.machine import check_tokenizers, situation
+from localspec.store.paths import hub_snapshot
 from localspec.store.measurements import (
     draft_format_key, dtype_key, load_calibration, measured_costs, measured_curves, save_calibration,
 )

@@ -7,11 +7,11 @@ from dataclasses import replace
 from textual import work
 from textual.app import App
 
-from localspec.store.registry import load_registry
 from localspec.apps.tui.backend import Backend, ChatSettings, Loaded, available_proposers, error_text
 from localspec.apps.tui.chat import ChatScreen
 from localspec.apps.tui.history import HistoryStore
 from localspec.apps.tui.screens import HelpScreen, LoadingScreen, ModelPicker, SettingsScreen, WizardScreen
+from localspec.store.registry import load_registry
 
 
 class LocalspecApp(App):
@@ -101,8 +101,8 @@ class LocalspecApp(App):
             self.notify("Stop the answer first (Esc): pairing measures on the same CPU/GPU.", severity="warning")
             return
         # these import torch: here, when the wizard opens, so that the chat is up before torch is
-        from localspec.store import loading, machine
         from localspec.apps import pairing
+        from localspec.store import loading, machine
 
         memory = machine.free_memory(loading.pick_device())
         self.push_screen(WizardScreen(self.backend.registry, memory, self.run_pair or pairing.pair), self._wizard_closed)

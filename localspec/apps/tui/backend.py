@@ -13,9 +13,9 @@ from typing import Protocol
 
 import psutil
 
-from localspec.store import proposer_catalog
 from localspec.base.config import GenerationLimits, SamplingConfig, SpecConfig
 from localspec.base.errors import LocalspecError
+from localspec.store import proposer_catalog
 from localspec.store.registry import Registry, load_registry
 
 

@@ -13,12 +13,12 @@ from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import Screen
 from textual.widgets import Footer, Header, ListView, Static, TextArea
 
-from localspec.base.errors import LocalspecError
-from localspec.core.prompt import is_blank
 from localspec.apps.tui.backend import available_proposers
 from localspec.apps.tui.history import Conversation, Message, title_for
 from localspec.apps.tui.streaming import Batch, stream_answer
 from localspec.apps.tui.widgets import ConversationList, MessageView, StatsPanel
+from localspec.base.errors import LocalspecError
+from localspec.core.prompt import is_blank
 
 
 class ChatScreen(Screen):

@@ -9,11 +9,11 @@ import re
 import time
 from collections.abc import Callable, Iterator
 
+from localspec.apps.tui.backend import ChatSettings, Loaded, memory_in_use
 from localspec.base.config import GenerationLimits, SamplingConfig
 from localspec.core.engine import FinalEvent, Piece, TokenEvent
-from localspec.store.registry import Registry, load_registry
 from localspec.core.stats import GenerationStats, Opening, PassFigures
-from localspec.apps.tui.backend import ChatSettings, Loaded, memory_in_use
+from localspec.store.registry import Registry, load_registry
 
 ANSWER = """Here is a function that reverses a string:
 

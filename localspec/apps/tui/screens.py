@@ -15,9 +15,9 @@ from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, LoadingIndicator, OptionList, RichLog, Select, Static, TextArea
 
+from localspec.apps.tui.backend import ChatSettings, error_text
 from localspec.base.errors import LocalspecError
 from localspec.store.registry import fitting_targets
-from localspec.apps.tui.backend import ChatSettings, error_text
 
 
 def _number(text: str, kind, name: str):

@@ -9,12 +9,12 @@ from __future__ import annotations
 import torch
 
 from localspec.base.config import SamplingConfig
-from localspec.runtime.kv import CachedTokens
-from localspec.runtime.target_pass import TargetPass
 from localspec.core.proposers.base import DraftRules, Proposer
-from localspec.runtime.quant import prompt_pass
 from localspec.core.sampling import probs_from_logits, read_token, sample
 from localspec.core.tree import Draft
+from localspec.runtime.kv import CachedTokens
+from localspec.runtime.quant import prompt_pass
+from localspec.runtime.target_pass import TargetPass
 
 
 class DraftModelProposer(Proposer):

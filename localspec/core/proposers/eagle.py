@@ -22,10 +22,10 @@ import time
 import torch
 
 from localspec.base.config import SamplingConfig
-from localspec.runtime.kv import CachedTokens, SlotLayer, Slots
 from localspec.core.proposers.base import DraftRules, Proposer
 from localspec.core.proposers.eagle_head import EagleHead
 from localspec.core.tree import Draft
+from localspec.runtime.kv import CachedTokens, SlotLayer, Slots
 
 
 class FeatureTap:
