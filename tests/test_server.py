@@ -203,6 +203,7 @@ class EventsOnly:
 
     def __init__(self, engine: Engine) -> None:
         self.engine, self.tokenizer, self.context_len = engine, engine.tokenizer, engine.context_len
+        self.proposer_name, self.proposer_reason = engine.proposer_name, engine.proposer_reason
         self.finals = []
 
     def encode(self, *args, **kw):

@@ -169,7 +169,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if not (args.quiet or args.json):
         print(f"localspec: {session.proposer} proposer: {session.reason}; dtype: {session.dtype_reason}", file=sys.stderr)
     text = []
-    stats = GenerationStats()
+    stats = GenerationStats(session.proposer, session.reason)  # what an answer stopped before its first pass reports
     try:
         for event in session.engine.generate(prompt, sampling, limits, system=args.system):
             stats = event.fold(stats)

@@ -88,7 +88,9 @@ class Turn:
     def _run(self, events, prompt_tokens: int, loop: asyncio.AbstractEventLoop) -> None:
         """On the engine thread: every pass's event to the queue, then None (or the exception)."""
         # the answer's statistics, folded from its events; before any: nothing computed, nothing cached
-        stats, outcome, last = GenerationStats(prompt_tokens=prompt_tokens), None, None
+        engine = self.service.served.engine
+        stats = GenerationStats(engine.proposer_name, engine.proposer_reason, prompt_tokens=prompt_tokens)
+        outcome, last = None, None
         try:
             while not self.stop.is_set():
                 event = next(events, None)
