@@ -10,6 +10,7 @@ import torch
 
 from conftest import CharTokenizer, tiny_model
 from localspec.apps import pairing
+from localspec.store import registry
 from localspec.base.config import eagle_head_dir
 from localspec.base.errors import LocalspecError
 from localspec.core.proposers.eagle_head import save_head
@@ -127,7 +128,7 @@ def test_to_toml_round_trips_registry_shapes():
                     "eagle_heads": [{"repo": "r", "files": ["f"]}], "paired": {"proposer": "draft", "draft": 'q"d'}},
         },
     }
-    assert tomllib.loads(pairing.to_toml(data)) == data
+    assert tomllib.loads(registry.to_toml(data)) == data
 
 
 def test_saved_pairing_is_loaded_and_chosen(home):

@@ -24,7 +24,10 @@ PROPOSER_HELP = "; ".join(f"{kind.name}: {kind.about}" for kind in proposer_cata
 
 
 def _add_model_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="registry name (default: the registry's default model)")
+    p.add_argument("--model", default=None, help="registry name, or the path of your own .gguf file (registered on first "
+                   "use; default: the registry's default model)")
+    p.add_argument("--name", dest="own_name", default=None, help="with --model PATH: the name to register the file under "
+                   "(default: from the file name)")
     p.add_argument("--dtype", default="auto", choices=DTYPES, help="compute dtype (auto: measured on this machine); an explicit one also keeps float weights "
                    "under --quant auto, quantized only if they do not fit in memory")
     p.add_argument("--draft-len", type=int, default=None, help="fixed draft length (default: adaptive, from measured costs)")
@@ -97,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     pair.add_argument("--offline", action="store_true", help="no network: only models already downloaded")
 
     train = sub.add_parser("train-eagle", help="train an EAGLE head for a target on this machine (resumable)")
-    train.add_argument("--target", default=None, help="registry name (default: the registry's default model)")
+    train.add_argument("--target", default=None, help="registry name or .gguf path (default: the registry's default model)")
     train.add_argument("--out", default=None, help="output folder (default: where --proposer eagle/auto look for it)")
     train.add_argument("--data", action="append", default=None, help="text/code file or folder (repeatable; default: the Python standard library)")
     train.add_argument("--self-distill", type=int, default=0, metavar="N", help="also train on the target's own answers to N prompts")
@@ -299,11 +302,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return serve(config, session_loader(args.model, args.proposer, args.dtype, spec_from(args, args.proposer)))
 
 
+def _register_own_files(args: argparse.Namespace) -> None:
+    """--model / --target given as a file: registered on first use, then named like any model."""
+    from localspec.store.own_models import resolve
+
+    for attr in ("model", "target"):
+        if isinstance(getattr(args, attr, None), str):
+            setattr(args, attr, resolve(getattr(args, attr), getattr(args, "own_name", None)))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv or ["chat"])  # bare `localspec` opens the chat
     try:
+        _register_own_files(args)
         return {"run": cmd_run, "models": cmd_models, "bench": cmd_bench, "chat": cmd_chat,
                 "pull": cmd_pull, "rm": cmd_rm, "pair": cmd_pair, "train-eagle": cmd_train_eagle,
                 "serve": cmd_serve}[args.command](args)

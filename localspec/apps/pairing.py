@@ -8,7 +8,6 @@ where `--proposer auto` finds it. Sits on top: it loads and runs models like `be
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from dataclasses import dataclass
@@ -23,7 +22,7 @@ from localspec.store import hub, loading, paths, proposer_catalog, tokenizers
 from localspec.store.machine import check_eagle_head, check_tokenizers, free_memory
 from localspec.store.measurements import record_generation
 from localspec.store.measurements import pair_key
-from localspec.store.registry import ModelEntry, Registry, fitting_targets, load_registry, read_user_registry, user_registry_path
+from localspec.store.registry import ModelEntry, Registry, fitting_targets, load_registry, read_user_registry, to_toml, user_registry_path
 from localspec.store.session import Session, load_models
 
 PAIR_PROMPTS = 3
@@ -175,35 +174,3 @@ def save_pairing(model: str, best: Candidate, speedup: float) -> None:
     load_registry()  # what was written must load: fail here, not at the next `run`
 
 
-def to_toml(data: dict) -> str:
-    """The subset of TOML the registry uses (tables, arrays of tables, strings, numbers, lists)."""
-    lines: list[str] = []
-
-    def key(k: str) -> str:
-        return k if k.replace("_", "").replace("-", "").isalnum() else json.dumps(k)
-
-    def value(v) -> str:
-        if isinstance(v, bool):
-            return "true" if v else "false"
-        if isinstance(v, (int, float)):
-            return repr(v)
-        if isinstance(v, str):
-            return json.dumps(v)  # JSON string escapes are valid TOML basic-string escapes
-        return "[" + ", ".join(value(x) for x in v) + "]"
-
-    def table(path: list[str], body: dict, header: str | None) -> None:
-        if header:
-            lines.extend(["", header])
-        for k, v in body.items():
-            if not isinstance(v, dict) and not (isinstance(v, list) and v and isinstance(v[0], dict)):
-                lines.append(f"{key(k)} = {value(v)}")
-        for k, v in body.items():
-            sub = [*path, key(k)]
-            if isinstance(v, dict):
-                table(sub, v, f"[{'.'.join(sub)}]")
-            elif isinstance(v, list) and v and isinstance(v[0], dict):
-                for item in v:
-                    table(sub, item, f"[[{'.'.join(sub)}]]")
-
-    table([], data, None)
-    return "\n".join(lines).lstrip("\n") + "\n"

@@ -28,7 +28,9 @@ layers go through bitsandbytes' own de-quantizers.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -45,7 +47,7 @@ COMPUTE_DTYPE = torch.bfloat16
 """Activation dtype of the weight-only quantized models."""
 
 
-W4A8_LAYOUT = "w4a8-blocks-v2.pt"
+W4A8_LAYOUT = "w4a8-blocks-v3.pt"
 """The w4a8 kernel's packed weights, beside the int4 cache (the name changes with the layout)."""
 W4A8_LAYOUTS = "w4a8-blocks-*.pt"
 """The names of every version of that layout (older ones are left by earlier localspec versions)."""
@@ -114,7 +116,7 @@ def quantize_model(model: torch.nn.Module, quant: str, device: torch.device) -> 
             new = _bitsandbytes_linear(module, quant, device)
         else:
             continue  # an odd width stays 16-bit
-        _replace(model, name, new)
+        replace_module(model, name, new)
         replaced[name] = stored_format(quant)
     if not replaced:
         raise LocalspecError(f"no layer of this model fits the {quant} format")
@@ -128,9 +130,9 @@ def install_shells(model: torch.nn.Module, layout: dict[str, str]) -> None:
         linear = model.get_submodule(name)
         shape = (linear.in_features, linear.out_features, linear.bias is not None)
         if quant == "int4":
-            _replace(model, name, Int4Linear(*shape, GROUP_SIZE, COMPUTE_DTYPE, device="meta"))
+            replace_module(model, name, Int4Linear(*shape, GROUP_SIZE, COMPUTE_DTYPE, device="meta"))
         elif quant == "int8":
-            _replace(model, name, Int8Linear(*shape, COMPUTE_DTYPE, device="meta"))
+            replace_module(model, name, Int8Linear(*shape, COMPUTE_DTYPE, device="meta"))
         else:
             raise LocalspecError(f"a cached model names an unknown format {quant!r} for {name}")
 
@@ -165,7 +167,7 @@ def quantize_activations(model: torch.nn.Module) -> None:
     model.to(torch.float32)
     for name, module in list(model.named_modules()):
         if isinstance(module, Int8Linear):
-            _replace(model, name, W8A8Linear(module))
+            replace_module(model, name, W8A8Linear(module))
     start_packing(model)
 
 
@@ -177,29 +179,56 @@ SAME_INPUT = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 """Sibling linears that read the same input in Llama-family layers: w4a8 runs each set as one call."""
 
 
+@dataclass
+class BlockSource:
+    """One linear to be run by the w4a8 kernel: its shape, its block format (4- or 8-bit codes,
+    `cpu_w4a8`), its bias, and how to pack its blocks (called only when no stored blocks fit)."""
+
+    in_features: int
+    out_features: int
+    bits: int
+    bias: torch.Tensor | None
+    pack: Callable[[], torch.Tensor]
+
+
+def pack_affine(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, bits: int) -> torch.Tensor:
+    """Codes (N, K) uint8 with their scales and mins (w = code * scale + min) -> the kernel's blocks."""
+    if bits == 4:
+        return cpu_w4a8.pack(codes[:, 0::2] | (codes[:, 1::2] << 4), scales, mins)
+    return cpu_w4a8.pack_bytes(codes, scales, mins)
+
+
 def use_w4a8(model: torch.nn.Module, blocks_file: Path | None) -> None:
-    """Turn a model loaded with int4 weights into w4a8: every Int4Linear run by the w4a8 kernel,
-    float32 between them. The kernel's blocks are read (memory-mapped) from `blocks_file`, packed
-    and stored there the first time; the int4 tensors they came from are then never touched. The
-    token embedding stays as stored (a lookup reads a few rows) and hands float32 rows on."""
+    """Turn a model loaded with int4 weights into w4a8: every Int4Linear run by the w4a8 kernel."""
+    sources = {name: BlockSource(m.in_features, m.out_features, 4, m.bias,
+                                 lambda m=m: cpu_w4a8.pack(m.packed, m.scales, m.mins))
+               for name, m in model.named_modules() if isinstance(m, Int4Linear)}
+    install_w4a8(model, sources, blocks_file)
+
+
+def install_w4a8(model: torch.nn.Module, sources: dict[str, BlockSource], blocks_file: Path | None) -> None:
+    """Put the w4a8 kernel's linears in place of the named modules, float32 between them. The
+    kernel's blocks are read (memory-mapped) from `blocks_file`, packed and stored there the first
+    time (then the sources' own tensors are never touched again). Siblings reading one input run as
+    one call; the token embedding stays as stored (a lookup reads a few rows) and hands float32 on."""
     kernel = w4a8_kernel()
-    int4 = {name: m for name, m in model.named_modules() if isinstance(m, Int4Linear)}
-    groups = _same_input_groups(int4)
-    stored = _read_blocks(blocks_file, groups, int4) if blocks_file is not None else None
+    groups = _same_input_groups(sources)
+    stored = _read_blocks(blocks_file, groups, sources) if blocks_file is not None else None
     packed = {}
     for names in groups:
         key = "+".join(names)
-        blocks = stored[key] if stored is not None else cpu_w4a8.fused_blocks([int4[n] for n in names])
+        members = [sources[n] for n in names]
+        blocks = stored[key] if stored is not None else torch.cat([m.pack() for m in members])
         packed[key] = blocks
-        for name, layer in zip(names, cpu_w4a8.fuse([int4[n] for n in names], kernel, blocks)):
-            _replace(model, name, layer)
+        for name, layer in zip(names, cpu_w4a8.fuse(members, kernel, blocks)):
+            replace_module(model, name, layer)
     if stored is None and blocks_file is not None:
         _save_layout(packed, blocks_file)
     if getattr(model.config, "hidden_act", None) == "silu":
         for name, mlp in list(model.named_modules()):
             parts = [getattr(mlp, part, None) for part in ("gate_proj", "up_proj", "down_proj")]
             if all(isinstance(part, cpu_w4a8.W4A8Linear) for part in parts):
-                _replace(model, name, cpu_w4a8.GatedMLP(*parts))
+                replace_module(model, name, cpu_w4a8.GatedMLP(*parts))
     embedding = model.get_input_embeddings()
     for module in model.modules():
         if module is embedding:
@@ -210,21 +239,22 @@ def use_w4a8(model: torch.nn.Module, blocks_file: Path | None) -> None:
     embedding.register_forward_hook(lambda module, args, out: out.float())
 
 
-def _same_input_groups(int4: dict[str, torch.nn.Module]) -> list[list[str]]:
-    """The quantized linears in kernel calls: sets of SAME_INPUT siblings, every other one alone."""
+def _same_input_groups(sources: dict[str, BlockSource]) -> list[list[str]]:
+    """The kernel calls: sets of SAME_INPUT siblings of one block format, every other linear alone."""
     groups, grouped = [], set()
-    for name in int4:
+    for name in sources:
         parent, _, leaf = name.rpartition(".")
         for siblings in SAME_INPUT:
             names = [f"{parent}.{s}" if parent else s for s in siblings]
-            if leaf == siblings[0] and all(n in int4 for n in names) \
-                    and len({int4[n].in_features for n in names}) == 1 and all(int4[n].out_features % cpu_w4a8.TILE == 0 for n in names):
+            if leaf == siblings[0] and all(n in sources for n in names) \
+                    and len({(sources[n].in_features, sources[n].bits) for n in names}) == 1 \
+                    and all(sources[n].out_features % cpu_w4a8.TILE == 0 for n in names):
                 groups.append(names)
                 grouped.update(names)
-    return groups + [[name] for name in int4 if name not in grouped]
+    return groups + [[name] for name in sources if name not in grouped]
 
 
-def _read_blocks(blocks_file: Path, groups: list[list[str]], int4: dict[str, torch.nn.Module]) -> dict[str, torch.Tensor] | None:
+def _read_blocks(blocks_file: Path, groups: list[list[str]], sources: dict[str, BlockSource]) -> dict[str, torch.Tensor] | None:
     """The stored blocks when they match these layers; a damaged or stale file is dropped (the
     blocks are packed again, the weights' cache is fine)."""
     if not blocks_file.is_file():
@@ -233,7 +263,7 @@ def _read_blocks(blocks_file: Path, groups: list[list[str]], int4: dict[str, tor
         stored = torch.load(blocks_file, mmap=True, weights_only=True)
         for names in groups:
             blocks = stored["+".join(names)]
-            want = sum(cpu_w4a8.block_bytes(int4[n].out_features, int4[n].in_features) for n in names)
+            want = sum(cpu_w4a8.block_bytes(sources[n].out_features, sources[n].in_features, sources[n].bits) for n in names)
             if blocks.dtype != torch.uint8 or blocks.numel() != want:
                 raise ValueError(f"{names}: blocks of the wrong size")
         return stored
@@ -282,8 +312,9 @@ def describe(model: torch.nn.Module) -> str:
     """"int4 weights" / "int8 weights" / "" for reports."""
     kinds = {type(m) for m in model.modules()}
     if cpu_w4a8.W4A8Linear in kinds:
-        kernel = next(m.kernel for m in model.modules() if isinstance(m, cpu_w4a8.W4A8Linear))
-        return f"int4 weights x int8 activations (per row, {kernel.name} kernel)"
+        layers = [m for m in model.modules() if isinstance(m, cpu_w4a8.W4A8Linear)]
+        bits = "/".join(f"int{b}" for b in sorted({m.bits for m in layers}))
+        return f"{bits} weights x int8 activations (a scale per 32, {layers[0].kernel.name} kernel)"
     if W8A8Linear in kinds:
         return "int8 weights x int8 activations (per row)"
     if Int4Linear in kinds:
@@ -295,7 +326,7 @@ def describe(model: torch.nn.Module) -> str:
     return ""
 
 
-def _replace(model: torch.nn.Module, name: str, new: torch.nn.Module) -> None:
+def replace_module(model: torch.nn.Module, name: str, new: torch.nn.Module) -> None:
     parent_name, _, attr = name.rpartition(".")
     setattr(model.get_submodule(parent_name) if parent_name else model, attr, new)
 

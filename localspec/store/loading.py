@@ -1,7 +1,8 @@
-"""Load a registry model for inference: its hub download if pulled (hub.py), else the mirror's GGUF
-(gguf_mirror) through a float copy (converted) or a quantized one (quantized), made on first use;
-then place it on its device. A `LoadedModel` names the copy and kernel layout it read and holds
-them (files.hold) while it lives, so that no cleanup removes them (cleanup)."""
+"""Load a registry model for inference: its GGUF (the user's own file, else the mirror's) streamed
+tensor by tensor into its weight format (gguf_model), or its hub download (hub.py) as it is or
+through a quantized copy (quantized); then place it on its device. A `LoadedModel` names the
+copies and kernel layout it read and holds them (files.hold) while it lives, so that no cleanup
+removes them (cleanup)."""
 
 from __future__ import annotations
 
@@ -13,12 +14,15 @@ from typing import TYPE_CHECKING, BinaryIO, Sequence
 
 import torch
 
+from localspec.base.files import hold, write_text_atomic
 from localspec.runtime import quant as quantization
-from localspec.store.converted import Weights, load_converted, load_snapshot
-from localspec.store.paths import converted_root, hub_snapshot
-from localspec.store.progress import transformers_quiet
+from localspec.store.converted import Weights, load_snapshot
+from localspec.store.gguf_model import GGUFSource, blocks_file, build_model
+from localspec.store.paths import COMPLETE, converted_root, gguf_cache, hub_snapshot
+from localspec.store.progress import say, transformers_quiet
 from localspec.store.quantized import load_quantized
 from localspec.store.registry import ModelEntry
+from localspec.store.tokenizers import gguf_file, gguf_tokenizer
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -34,7 +38,7 @@ class LoadedModel:
     context_len: int
     load_seconds: float
     cold: bool
-    """True when this load had to convert from GGUF (a dtype cast from the float32 cache is not cold)."""
+    """True when this load had to lay out or convert the weights (a first load), not only read a copy."""
     quant: str = "none"
     """Weight format: none (dtype as loaded), int8, int4 or nf4 (activations then bf16), or w8a8."""
     verify_costs: dict[int, dict[int, float]] | None = None  # per context length, per width
@@ -65,10 +69,10 @@ def load_model(
     progress: bool = True,
     pip_args: Sequence[str] = (),
 ) -> LoadedModel:
-    """Load a registry model for inference: its hub download if pulled, else the mirror's GGUF
-    through the converted cache (converting it on first use). With `quant` the weights are
-    int4/int8/nf4 with activations bf16, or w8a8 with float32 around int8 matmuls (`dtype` is
-    then ignored)."""
+    """Load a registry model for inference: its hub download if pulled, else its GGUF, streamed
+    (gguf_model). With `quant` the weights are w4a8 (the file's own 4- and 8-bit numbers, float32
+    between), int4/int8/nf4 with activations bf16, or w8a8 with float32 around int8 matmuls
+    (`dtype` is then ignored)."""
     start = time.perf_counter()
     device = device if device is not None else pick_device()
     quantization.check_supported(quant, device)
@@ -76,14 +80,14 @@ def load_model(
     if quant != "none":
         dtype = quantization.compute_dtype(quant)
     with transformers_quiet():
-        if quant != "none" and not quantization.uses_bitsandbytes(quant, device):
-            weights = load_quantized(entry, quant, snapshot, progress, pip_args)
+        if snapshot is None:
+            weights = load_gguf(entry, gguf_file(entry, progress, pip_args), quant, dtype, progress)
+        elif quant != "none" and not quantization.uses_bitsandbytes(quant, device):
+            weights = load_quantized(entry, quant, snapshot, progress)
             if quant == "w8a8":
                 quantization.quantize_activations(weights.model)
-        elif snapshot is not None:
-            weights = Weights(*load_snapshot(entry, snapshot, dtype))
         else:
-            weights = load_converted(entry, dtype, progress, pip_args)
+            weights = Weights(*load_snapshot(entry, snapshot, dtype))
     model, tokenizer = weights.model, weights.tokenizer
 
     place(model, quant, device)
@@ -109,6 +113,25 @@ def load_model(
         cache_files=weights.files,
         holds=weights.holds,
     )
+
+
+def load_gguf(entry: ModelEntry, path: Path, quant: str, dtype: torch.dtype, progress: bool) -> Weights:
+    """The model of a GGUF in the weight format `quant`, streamed from the file (gguf_model), with
+    what it keeps in the entry's gguf cache: the parsed header, the tokenizer, the w4a8 blocks."""
+    folder = gguf_cache(entry)
+    folder.mkdir(parents=True, exist_ok=True)
+    if not (folder / COMPLETE).is_file():
+        write_text_atomic(folder / COMPLETE, "ok\n")
+    held = hold(folder / COMPLETE)
+    source = GGUFSource(path, folder / "header.json")
+    blocks = blocks_file(source, folder) if quant == "w4a8" else None
+    cold = blocks is not None and not blocks.is_file()
+    if cold:
+        say(progress, f"laying out {entry.name}'s weights for the w4a8 kernel (once)")
+    model = build_model(source, quant, dtype, blocks)
+    tokenizer = gguf_tokenizer(source, folder / "tokenizer")
+    holds = [h for h in (held, hold(blocks) if blocks is not None else None) if h is not None]
+    return Weights(model, tokenizer, (folder,) + ((blocks,) if blocks is not None else ()), holds, cold)
 
 
 def place(model: torch.nn.Module, quant: str, device: torch.device) -> None:

@@ -6,13 +6,16 @@ Layout under home_dir():
                                               is written once all of them were verified
     models/<name>/<file>                      the joined, verified GGUF
     models/<name>/<file>.sha256               written only after the GGUF was verified
-    converted/<name>-<sha12>/<dtype>/         model.safetensors, config.json, tokenizer files,
-                                              and `complete`, written last
-    converted/<name>-<sha12>/<quant>/         the same for a quantized copy (int4-g32, int8)
-                                              plus quant_layout.json; read memory-mapped; beside
-                                              it the kernel layout a run packs from it (w4a8
-                                              blocks, torch's int4 layout)
-    (<sha12>: of the GGUF; the hub revision for a model without one)
+    converted/<name>-<sha12>/gguf/            from a GGUF: header.json (its parsed header), tokenizer/
+                                              (built from its metadata), the w4a8 kernel's blocks
+                                              laid out from its tensors (w4a8-blocks-v3-<stamp>.pt)
+    converted/<name>-<sha12>/<quant>/         a quantized copy of a hub download (int4-g32, int8):
+                                              model.safetensors, config, tokenizer files,
+                                              quant_layout.json and `complete`, written last; read
+                                              memory-mapped; beside it the kernel layout a run packs
+    converted/<name>-file/gguf/               the same as gguf/ for the user's own GGUF file,
+                                              which stays where it is (never moved or deleted)
+    (<sha12>: of the mirror's GGUF; the hub revision for a model without one)
 """
 
 from __future__ import annotations
@@ -37,6 +40,8 @@ def hub_dir(entry: ModelEntry) -> Path:
 
 def hub_snapshot(entry: ModelEntry) -> Path | None:
     """The verified hub download of the entry's pinned revision, if there is one."""
+    if entry.gguf is not None:
+        return None
     folder = hub_dir(entry)
     try:
         return folder if (folder / COMPLETE).read_text(encoding="utf-8").strip() == entry.revision else None
@@ -52,21 +57,28 @@ def mark_hub_snapshot(entry: ModelEntry) -> Path:
 
 def converted_root(entry: ModelEntry) -> Path:
     """The folder of the entry's converted copies: named by its GGUF's hash, or by its hub revision."""
+    if entry.gguf is not None:
+        return own_file_root(entry.name)
     tag = entry.mirror.sha256 if entry.mirror is not None else entry.revision
     return home_dir() / "converted" / f"{entry.name}-{tag[:12]}"
 
 
-def converted_dirs(entry: ModelEntry) -> list[Path]:
-    """Finished converted caches of the entry, any format, float32 first."""
-    if entry.mirror is None:
-        return []
-    root = converted_root(entry)
-    return sorted((p.parent for p in root.glob(f"*/{COMPLETE}")), key=lambda p: p.name != "float32")
+def own_file_root(name: str) -> Path:
+    """The converted copies of the user's own GGUF registered as `name` (its header, tokenizer and
+    kernel blocks; the file itself stays where the user keeps it)."""
+    return home_dir() / "converted" / f"{name}-file"
+
+
+def gguf_cache(entry: ModelEntry) -> Path:
+    """What a load from the entry's GGUF keeps: header.json, tokenizer/, the w4a8 kernel's blocks."""
+    return converted_root(entry) / "gguf"
 
 
 def is_downloaded(entry: ModelEntry) -> bool:
     """Whether load_model can run without fetching anything."""
-    if hub_snapshot(entry) is not None or converted_dirs(entry):
+    if entry.gguf is not None:
+        return entry.gguf.is_file()
+    if hub_snapshot(entry) is not None:
         return True
     mirror = entry.mirror
     if mirror is None:
@@ -77,7 +89,8 @@ def is_downloaded(entry: ModelEntry) -> bool:
 
 def local_paths(entry: ModelEntry) -> list[Path]:
     """Every file or folder localspec keeps for this model (downloads and converted caches)."""
-    return [p for p in (model_dir(entry), converted_root(entry)) if p.exists()]
+    own = entry.gguf is not None  # the user's own file is theirs: only localspec's copies of it are listed
+    return [p for p in (() if own else (model_dir(entry),)) + (converted_root(entry),) if p.exists()]
 
 
 def trusted(target: Path, marker: Path, mirror: MirrorSource) -> bool:

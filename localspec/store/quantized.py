@@ -1,5 +1,4 @@
-"""Quantized copies (int4 in groups, int8), made once straight from float32 weights (the hub
-download, a float32 copy already here, else the GGUF: no float copy is written for them) and read
+"""Quantized copies (int4 in groups, int8) of a hub download, made once from its float32 weights and read
 back memory-mapped into a model built on the meta device, so the first run computes with exactly
 the weights every later run loads. Beside each copy lies the kernel layout a run packs from it
 (w4a8 blocks, torch's int4 CPU layout), made the first time a run needs it."""
@@ -9,14 +8,13 @@ from __future__ import annotations
 import gc
 import json
 from pathlib import Path
-from typing import Sequence
 
 import torch
 
 from localspec.base.errors import LocalspecError, is_out_of_memory
 from localspec.base.files import hold, write_text_atomic
 from localspec.runtime import quant as quantization
-from localspec.store.converted import WEIGHTS, Weights, discard_unreadable, float_source, load_snapshot, staging, write_cache
+from localspec.store.converted import WEIGHTS, Weights, discard_unreadable, load_snapshot, staging, write_cache
 from localspec.store.paths import COMPLETE, converted_root
 from localspec.store.progress import say
 from localspec.store.registry import ModelEntry
@@ -33,11 +31,9 @@ def _quant_dir(entry: ModelEntry, quant: str) -> Path:
     return converted_root(entry) / name
 
 
-def load_quantized(entry: ModelEntry, run_as: str, snapshot: Path | None, progress: bool,
-                   pip_args: Sequence[str]) -> Weights:
-    """The quantized cache of the format `run_as` runs on, made on first use from the float32
-    weights: the hub download, a float32 copy already here, or else straight from the GGUF (no
-    float copy is written for it).
+def load_quantized(entry: ModelEntry, run_as: str, snapshot: Path, progress: bool) -> Weights:
+    """The quantized cache of the format `run_as` runs on, made on first use from the hub
+    download's float32 weights (a GGUF is streamed instead: gguf_model).
 
     The cache is read back even right after writing it, so the first run computes with exactly
     the weights every later run loads.
@@ -46,11 +42,7 @@ def load_quantized(entry: ModelEntry, run_as: str, snapshot: Path | None, progre
     path = _quant_dir(entry, quant)
     weights = _load_quant_cache(entry, path, progress, run_as)
     if weights is None:
-        cold = False
-        if snapshot is not None:
-            model, tokenizer = load_snapshot(entry, snapshot, torch.float32)
-        else:
-            model, tokenizer, cold = float_source(entry, progress, pip_args)
+        model, tokenizer = load_snapshot(entry, snapshot, torch.float32)
         say(progress, f"quantizing {entry.name} to {quant} (once)")
         layout = quantization.quantize_model(model, quant, torch.device("cpu"))
         model.to(quantization.COMPUTE_DTYPE)  # what is left in float: norms, embedding, biases
@@ -62,7 +54,7 @@ def load_quantized(entry: ModelEntry, run_as: str, snapshot: Path | None, progre
         weights = _load_quant_cache(entry, path, progress, run_as)
         if weights is None:
             raise LocalspecError(f"the quantized copy of {entry.name!r} in {path} is unreadable")
-        weights.cold = cold
+        weights.cold = True
     return weights
 
 

