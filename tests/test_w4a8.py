@@ -1,5 +1,6 @@
-"""The w4a8 CPU kernel against its torch reference, row independence, the fallback when it cannot
-be built, and a real model on it: memory-mapped blocks, repacking a damaged file, exact speculation."""
+"""The w4a8 CPU kernel in both block formats (4-bit and 8-bit codes) against its torch reference,
+row independence, per-group activation scales, the fallback when it cannot be built, and a real
+model on it: memory-mapped blocks, repacking a damaged file, exact speculation."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from conftest import assert_speculation_reproduces_greedy
 from localspec.base.errors import LocalspecError
 from localspec.kernels import cpu_w4a8
 from localspec.kernels.cpu_build import KernelUnavailable
-from localspec.kernels.int4_format import quantize_int4
+from localspec.kernels.int4_format import quantize_int4, unpack_int4
 from localspec.runtime import quant as quantization
 from localspec.runtime.attention import use_exact_attention
 
@@ -27,12 +28,30 @@ needs_kernel = pytest.mark.skipif(KERNEL is None, reason="the w4a8 kernel cannot
 ISAS = [isa for isa in (3, 2, 1) if KERNEL is not None and KERNEL.isa >= isa]
 
 
-def random_layer(n: int, k: int, seed: int):
+BITS = [4, 8]
+
+
+def quantize_bytes(weight: torch.Tensor):
+    """(N, K) float -> 8-bit codes uint8 (N, K), scales and mins (N, K/16): min/max per 16 inputs."""
+    n, k = weight.shape
+    groups = weight.reshape(n, k // cpu_w4a8.BYTE_GROUP, cpu_w4a8.BYTE_GROUP)  # (N, B, 16)
+    mins = groups.amin(-1)
+    scales = ((groups.amax(-1) - mins) / 255).clamp_min(1e-8)
+    codes = torch.round((groups - mins[..., None]) / scales[..., None]).clamp(0, 255).to(torch.uint8)
+    return codes.reshape(n, k), scales, mins
+
+
+def random_layer(n: int, k: int, seed: int, bits: int = 4):
+    """A random linear in the kernel's format of `bits`-bit codes: blocks, and the codes (N, K),
+    scales and mins (N, K / block_inputs) the references take, and a bias."""
     gen = torch.Generator().manual_seed(seed)
     weight = torch.randn(n, k, generator=gen) * 0.05
-    packed, scales, mins = quantize_int4(weight, cpu_w4a8.GROUP)
     bias = torch.randn(n, generator=gen)
-    return packed, scales, mins, bias
+    if bits == 4:
+        packed, scales, mins = quantize_int4(weight, cpu_w4a8.GROUP)
+        return cpu_w4a8.pack(packed, scales, mins), unpack_int4(packed), scales, mins, bias
+    codes, scales, mins = quantize_bytes(weight)
+    return cpu_w4a8.pack_bytes(codes, scales, mins), codes, scales, mins, bias
 
 
 def assert_rows_alone_equal_rows_together_and_near(linear, x: torch.Tensor, widths, reference: torch.Tensor) -> None:
@@ -46,46 +65,75 @@ def assert_rows_alone_equal_rows_together_and_near(linear, x: torch.Tensor, widt
 
 
 @needs_kernel
+@pytest.mark.parametrize("bits", BITS)
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("n, k", [(1, 32), (37, 64), (257, 96), (16, 1536), (300, 8960)])
-def test_kernel_matches_reference_for_every_width_and_a_row_alone_equals_the_row_among_many(isa, n, k):
-    packed, scales, mins, bias = random_layer(n, k, seed=n + k)
-    blocks = cpu_w4a8.pack(packed, scales, mins)
+def test_kernel_matches_reference_for_every_width_and_a_row_alone_equals_the_row_among_many(isa, n, k, bits):
+    blocks, codes, scales, mins, bias = random_layer(n, k, seed=n + k, bits=bits)
     x = torch.randn(35, k, generator=torch.Generator().manual_seed(k)) * 3
-    x[5] = 0.0  # an all-zero row: scale clamps, output is the bias
+    x[5] = 0.0  # an all-zero row: scales clamp, output is the bias
     x[6, 0] = 1e4  # an outlier row
+    x[7, :32] = 0.0  # an all-zero group in a row
     # a row alone (one-token decoding) computes what it computes among 35 (a verify pass; with AMX
     # two sets of 16 on the tile unit, 3 rows on VNNI) bit for bit; integer sums are exact, then a
-    # float32 sum over K/32 groups
-    assert_rows_alone_equal_rows_together_and_near(lambda rows: KERNEL.linear(rows, blocks, n, bias, isa), x,
+    # float32 sum over the K/32 (or K/16) blocks
+    assert_rows_alone_equal_rows_together_and_near(lambda rows: KERNEL.linear(rows, blocks, n, bias, isa, bits=bits), x,
                                                    [*range(1, 18), 32, 33],
-                                                   cpu_w4a8.w4a8_linear_reference(x, packed, scales, mins, bias))
-    assert torch.equal(KERNEL.linear(x[5:6], blocks, n, bias, isa)[0], bias)
+                                                   cpu_w4a8.w4a8_linear_reference(x, codes, scales, mins, bias))
+    assert torch.equal(KERNEL.linear(x[5:6], blocks, n, bias, isa, bits=bits)[0], bias)
 
 
 @needs_kernel
-def test_the_instruction_sets_agree_and_bias_is_optional():
+@pytest.mark.parametrize("bits", BITS)
+def test_the_instruction_sets_compute_the_same_bits_and_bias_is_optional(bits):
+    """AVX2, VNNI and AMX (for whole sets of 16 rows) take the same exact integer sums and the same
+    float steps in the same order, so a model computes the same numbers on any of these CPUs."""
     if len(ISAS) < 2:
         pytest.skip("this CPU runs only the AVX2 path")
-    packed, scales, mins, bias = random_layer(70, 192, seed=3)
-    blocks = cpu_w4a8.pack(packed, scales, mins)
-    x = torch.randn(9, 192)
-    reference = cpu_w4a8.w4a8_linear_reference(x, packed, scales, mins, None)
-    for isa in ISAS:
-        got = KERNEL.linear(x, blocks, 70, None, isa)
-        assert (got - reference).abs().max() <= 1e-5 * reference.abs().max()
+    blocks, codes, scales, mins, _ = random_layer(70, 192, seed=3, bits=bits)
+    x = torch.randn(37, 192)  # AMX: two sets of 16, then 5 rows on VNNI
+    reference = cpu_w4a8.w4a8_linear_reference(x, codes, scales, mins, None)
+    first = KERNEL.linear(x, blocks, 70, None, ISAS[0], bits=bits)
+    assert (first - reference).abs().max() <= 1e-5 * reference.abs().max()
+    for isa in ISAS[1:]:
+        assert torch.equal(KERNEL.linear(x, blocks, 70, None, isa, bits=bits), first), isa
 
 
 @needs_kernel
-def test_the_tile_unit_computes_what_the_vector_units_compute_bit_for_bit():
+@pytest.mark.parametrize("bits", BITS)
+def test_the_tile_unit_computes_what_the_vector_units_compute_bit_for_bit(bits):
     """AMX takes whole sets of 16 rows; its integer sums and float steps are VNNI's, so a model
     computes the same numbers on a machine with AMX and on one without."""
     if 3 not in ISAS:
         pytest.skip("this CPU (or its kernel) has no AMX")
-    packed, scales, mins, bias = random_layer(300, 8960, seed=7)
-    blocks = cpu_w4a8.pack(packed, scales, mins)
+    blocks, _, _, _, bias = random_layer(300, 8960, seed=7, bits=bits)
     x = torch.randn(48, 8960) * 2
-    assert torch.equal(KERNEL.linear(x, blocks, 300, bias, 3), KERNEL.linear(x, blocks, 300, bias, 2))
+    assert torch.equal(KERNEL.linear(x, blocks, 300, bias, 3, bits=bits), KERNEL.linear(x, blocks, 300, bias, 2, bits=bits))
+
+
+@needs_kernel
+@pytest.mark.parametrize("bits", BITS)
+def test_activation_scales_are_per_group_of_32_so_one_huge_value_flattens_only_its_own_group(bits):
+    """A row's one huge value (the first position's activations are such rows) sets the scale of its
+    own 32 inputs only: the other groups keep their resolution, and the result stays within the
+    per-group rounding bound of the float product, which one scale per row misses by far."""
+    n, k = 48, 256
+    blocks, _, _, _, bias = random_layer(n, k, seed=11, bits=bits)
+    weight = cpu_w4a8.W4A8Linear(k, n, blocks, bias, KERNEL, bits=bits).dense_weight()  # (N, K)
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(12))
+    x[0, :32] = 0.0
+    x[0, 0] = 1e4  # group 0 holds only it: 127 steps of 1e4 / 127
+    exact = (x.double() @ weight.double().t() + bias.double()).float()  # (1, N)
+    steps = x.reshape(k // 32, 32).abs().amax(-1) / 127  # (G,): each group's activation scale
+    # at most half a step per input of groups 1..; group 0's one value is 127 of its steps (exact
+    # but for float32 rounding, which the slack covers)
+    rounding = (weight.abs().reshape(n, k // 32, 32).sum(-1) * steps / 2)[:, 1:].sum(-1)  # (N,)
+    slack = 1e-5 * exact.abs().amax()
+    got = KERNEL.linear(x, blocks, n, bias, bits=bits)
+    assert ((got - exact).abs() <= rounding + slack).all()
+    row_step = x.abs().amax() / 127  # one scale per row: every other group rounds to zero
+    per_row = (torch.round(x / row_step) * row_step).double() @ weight.double().t() + bias.double()
+    assert ((per_row.float() - exact).abs() > rounding + slack).float().mean() > 0.9
 
 
 @needs_kernel
@@ -104,27 +152,26 @@ needs_prompt_path = pytest.mark.skipif(KERNEL is None or not KERNEL.prompt_usabl
 
 
 @needs_prompt_path
+@pytest.mark.parametrize("bits", BITS)
 @pytest.mark.parametrize("n, k", [(1, 32), (37, 64), (257, 96), (300, 1536), (40, 8960)])
-def test_prompt_path_matches_its_reference_and_a_row_alone_equals_the_row_among_many(monkeypatch, n, k):
+def test_prompt_path_matches_its_reference_and_a_row_alone_equals_the_row_among_many(monkeypatch, n, k, bits):
     monkeypatch.setattr(cpu_w4a8, "PROMPT_ROWS", 1)
-    packed, scales, mins, bias = random_layer(n, k, seed=n * k)
-    blocks = cpu_w4a8.pack(packed, scales, mins)
+    blocks, codes, scales, mins, bias = random_layer(n, k, seed=n * k, bits=bits)
     x = torch.randn(70, k, generator=torch.Generator().manual_seed(n)) * 3
     x[3] = 0.0
     with cpu_w4a8.prompt_pass():  # 70 rows: sets of 32 and 16, and a padded one
         # bf16 products are exact in float32; only the order of the float32 sum over K differs
-        assert_rows_alone_equal_rows_together_and_near(lambda rows: KERNEL.linear(rows, blocks, n, bias), x,
+        assert_rows_alone_equal_rows_together_and_near(lambda rows: KERNEL.linear(rows, blocks, n, bias, bits=bits), x,
                                                        (1, 5, 16, 17, 33, 64),
-                                                       cpu_w4a8.w4a8_prompt_reference(x, packed, scales, mins, bias))
-        assert torch.equal(KERNEL.linear(x[3:4], blocks, n, bias)[0], bias)
+                                                       cpu_w4a8.w4a8_prompt_reference(x, codes, scales, mins, bias))
+        assert torch.equal(KERNEL.linear(x[3:4], blocks, n, bias, bits=bits)[0], bias)
 
 
 @needs_prompt_path
 def test_only_a_prompt_pass_of_enough_rows_takes_the_prompt_path():
     """Decode and verify passes keep the decode path's numbers whatever their width: that is what
     makes speculation reproduce plain decoding. Only a prompt's pass may take the bf16 tiles."""
-    packed, scales, mins, bias = random_layer(48, 256, seed=5)
-    blocks = cpu_w4a8.pack(packed, scales, mins)
+    blocks, codes, scales, mins, bias = random_layer(48, 256, seed=5)
     x = torch.randn(cpu_w4a8.PROMPT_ROWS, 256)
     decode = KERNEL.linear(x, blocks, 48, bias)
     short = x[:-1].contiguous()
@@ -132,25 +179,49 @@ def test_only_a_prompt_pass_of_enough_rows_takes_the_prompt_path():
         prompt = KERNEL.linear(x, blocks, 48, bias)
         assert torch.equal(KERNEL.linear(short, blocks, 48, bias), decode[:-1]), "fewer rows: the decode path"
     assert not torch.equal(prompt, decode)
-    assert torch.allclose(prompt, cpu_w4a8.w4a8_prompt_reference(x, packed, scales, mins, bias), rtol=1e-4, atol=1e-5)
+    assert torch.allclose(prompt, cpu_w4a8.w4a8_prompt_reference(x, codes, scales, mins, bias), rtol=1e-4, atol=1e-5)
     assert torch.equal(KERNEL.linear(x, blocks, 48, bias), decode), "outside prompt_pass: the decode path"
 
 
-@needs_kernel
-def test_linear_module_keeps_leading_dims_and_adds_bias():
-    packed, scales, mins, bias = random_layer(48, 64, seed=1)
+class ByteSource(torch.nn.Module):
+    """What `fuse` takes for the 8-bit format: a linear's codes, scales and mins per 16 inputs."""
+
+    bits = 8
+
+    def __init__(self, out_features: int, in_features: int, seed: int) -> None:
+        super().__init__()
+        self.out_features, self.in_features = out_features, in_features
+        _, self.codes, self.scales, self.mins, bias = random_layer(out_features, in_features, seed, bits=8)
+        self.bias = torch.nn.Parameter(bias, requires_grad=False)
+
+
+def int4_source(out_features: int, in_features: int, seed: int) -> torch.nn.Module:
     from localspec.kernels.int4_linear import Int4Linear
 
-    source = Int4Linear(64, 48, True, 32, torch.float32)
-    source.packed.copy_(packed)
+    source = Int4Linear(in_features, out_features, True, 32, torch.float32)
+    _, codes, scales, mins, bias = random_layer(out_features, in_features, seed)
+    source.packed.copy_(codes[:, 0::2] | (codes[:, 1::2] << 4))
     source.scales.copy_(scales)
     source.mins.copy_(mins)
     source.bias.data.copy_(bias)
+    return source
+
+
+def source_of(bits: int, out_features: int, in_features: int, seed: int) -> torch.nn.Module:
+    return (int4_source if bits == 4 else ByteSource)(out_features, in_features, seed)
+
+
+@needs_kernel
+@pytest.mark.parametrize("bits", BITS)
+def test_linear_module_keeps_leading_dims_and_adds_bias(bits):
+    source = source_of(bits, 48, 64, seed=1)
     layer = cpu_w4a8.fuse([source], KERNEL)[0]
+    assert layer.bits == bits
     x = torch.randn(1, 5, 64, dtype=torch.bfloat16)
     out = layer(x)
     assert out.shape == (1, 5, 48) and out.dtype == torch.float32
-    expected = cpu_w4a8.w4a8_linear_reference(x.float(), packed, scales, mins, bias)
+    codes, scales, mins = cpu_w4a8.read_codes(layer.blocks, 48, 64, bits)
+    expected = cpu_w4a8.w4a8_linear_reference(x.float(), codes, scales, mins, source.bias)
     assert (out - expected).abs().max() <= 1e-5 * expected.abs().max() + 1e-6
 
 
@@ -168,6 +239,38 @@ def test_pack_places_each_code_where_the_kernel_reads_it():
         stored_scale = blocks[tile, group, 256 + 2 * row : 258 + 2 * row].view(torch.float16)
         assert stored_scale.item() == scales[out, group].half().item()
     assert blocks[1, 0, 4:64].eq(0).all(), "padded outputs are zero"
+
+
+def test_pack_bytes_places_each_code_where_the_kernel_reads_it_and_unpack_bytes_reads_all_back():
+    n, k = 17, 64
+    codes = torch.randint(0, 256, (n, k), dtype=torch.uint8)
+    scales, mins = torch.rand(n, 4), -torch.rand(n, 4)
+    flat = cpu_w4a8.pack_bytes(codes, scales, mins)
+    assert flat.numel() == cpu_w4a8.block_bytes(n, k, bits=8) == 2 * 4 * 320
+    blocks = flat.reshape(2, 4, 320)  # (tile, block of 16 inputs, bytes)
+    for out, inp in [(0, 0), (3, 5), (16, 63), (9, 17), (15, 48), (4, 30)]:
+        tile, row, block, within = out // 16, out % 16, inp // 16, inp % 16
+        p, t = within // 4, within % 4
+        assert blocks[tile, block, 64 * p + 4 * row + t] == codes[out, inp]
+        assert blocks[tile, block, 256 + 2 * row : 258 + 2 * row].view(torch.float16).item() == scales[out, block].half().item()
+        assert blocks[tile, block, 288 + 2 * row : 290 + 2 * row].view(torch.float16).item() == mins[out, block].half().item()
+    assert blocks[1, :, 4:64].eq(0).all() and blocks[1, :, 258:288].eq(0).all(), "padded outputs are zero"
+    back, scales16, mins16 = cpu_w4a8.unpack_bytes(flat, n, k)
+    assert torch.equal(back, codes) and torch.equal(scales16, scales.half()) and torch.equal(mins16, mins.half())
+    with pytest.raises(ValueError, match="multiple of 32"):
+        cpu_w4a8.pack_bytes(codes[:, :48], scales[:, :3], mins[:, :3])
+
+
+@needs_kernel
+def test_an_8bit_layer_reads_back_codes_times_scale_plus_min_and_that_is_what_the_kernel_multiplies():
+    n, k = 37, 96
+    blocks, codes, scales, mins, bias = random_layer(n, k, seed=4, bits=8)
+    layer = cpu_w4a8.W4A8Linear(k, n, blocks, bias, KERNEL, bits=8)
+    expected = codes.float() * scales.half().float().repeat_interleave(16, dim=1) + mins.half().float().repeat_interleave(16, dim=1)
+    assert torch.equal(layer.dense_weight(), expected)
+    # one-hot rows (each the only non-zero of its group: exact in int8) give each input's column
+    columns = layer(torch.eye(k)) - layer.bias  # (K, N)
+    torch.testing.assert_close(columns, expected.t(), rtol=1e-5, atol=1e-6)
 
 
 def test_without_a_compiler_the_kernel_says_why_and_auto_takes_another_format(monkeypatch, tmp_path, capsys):
@@ -267,20 +370,12 @@ def test_a_long_prompt_fills_the_cache_through_the_prompt_path_and_speculation_s
 
 
 @needs_kernel
-def test_linears_sharing_an_input_compute_in_one_call_exactly_what_each_computes_alone(monkeypatch):
-    from localspec.kernels.int4_linear import Int4Linear
-
-    sources = []
-    for i, n in enumerate((64, 32, 32)):  # q, k, v
-        source = Int4Linear(96, n, True, 32, torch.float32)
-        packed, scales, mins, bias = random_layer(n, 96, seed=10 + i)
-        for buffer, value in ((source.packed, packed), (source.scales, scales), (source.mins, mins)):
-            buffer.copy_(value)
-        source.bias.data.copy_(bias)
-        sources.append(source)
+@pytest.mark.parametrize("bits", BITS)
+def test_linears_sharing_an_input_compute_in_one_call_exactly_what_each_computes_alone(monkeypatch, bits):
+    sources = [source_of(bits, n, 96, seed=10 + i) for i, n in enumerate((64, 32, 32))]  # q, k, v
     alone = [cpu_w4a8.fuse([s], KERNEL)[0] for s in sources]
     shared = cpu_w4a8.fuse(sources, KERNEL)
-    assert all(layer.shared is shared[0].shared for layer in shared)
+    assert all(layer.shared is shared[0].shared for layer in shared) and shared[0].shared.bits == bits
     calls = []
     real = KERNEL.linear
     monkeypatch.setattr(KERNEL, "linear", lambda *a, **k: calls.append(1) or real(*a, **k))
@@ -294,6 +389,16 @@ def test_linears_sharing_an_input_compute_in_one_call_exactly_what_each_computes
     assert shared[0].shared._output is not None
     shared[2](other)
     assert shared[0].shared._output is None, "no tensors held once every member has its output"
+
+
+@needs_kernel
+def test_linears_of_different_block_formats_do_not_share_a_call():
+    sources = [int4_source(32, 64, seed=1), ByteSource(32, 64, seed=2)]
+    with pytest.raises(ValueError, match="one block format"):
+        cpu_w4a8.fuse(sources, KERNEL)
+    shared = cpu_w4a8.fuse([ByteSource(32, 64, seed=3), ByteSource(16, 64, seed=4)], KERNEL)[0].shared
+    with pytest.raises(ValueError, match="4-bit layer cannot share a call of 8-bit blocks"):
+        cpu_w4a8.W4A8Linear(64, 32, cpu_w4a8.fused_blocks(sources[:1]), None, KERNEL, shared, 0, bits=4)
 
 
 def test_a_damaged_kernel_library_in_the_cache_is_built_again(tmp_path):

@@ -1,10 +1,12 @@
-// 4-bit weights x 8-bit activations for the few rows of a decode step or a verify pass (x86 CPUs).
+// 4-bit (or 8-bit) weights x 8-bit activations for the few rows of a decode step or a verify pass
+// (x86 CPUs).
 //
 // The layout and the arithmetic are described in cpu_w4a8.py, which builds this file on first use
-// and holds the plain torch reference. In short, for each tile of 16 output features and each
-// group of 32 inputs the weights are one 320-byte block: 256 bytes of 4-bit codes arranged for
-// the integer dot-product instruction, then 16 fp16 scales, then 16 fp16 mins. A pass streams the
-// blocks once; all of its rows are multiplied while a tile's blocks are in cache.
+// and holds the plain torch reference. In short, for each tile of 16 output features the weights
+// are a run of 320-byte blocks, one per group of 32 inputs (4-bit codes) or of 16 inputs (8-bit
+// codes): 256 bytes of codes arranged for the integer dot-product instruction, then 16 fp16
+// scales, then 16 fp16 mins. Each row's activations are quantized with one scale per 32 inputs.
+// A pass streams the blocks once; all of its rows are multiplied while a tile's blocks are in cache.
 //
 // A row's result depends only on that row: its quantization, its integer sums and the order of
 // its float operations are the same whatever other rows share the call and however the tiles are
@@ -24,10 +26,14 @@
 
 namespace {
 
-constexpr int64_t GROUP = 32;          // inputs per scale/min
+constexpr int64_t GROUP = 32;          // inputs per activation scale, and per block of 4-bit codes
+constexpr int64_t BYTE_GROUP = 16;     // inputs per block of 8-bit codes
 constexpr int64_t TILE = 16;           // outputs per block
-constexpr int64_t CODE_BYTES = 256;    // TILE * GROUP / 2
+constexpr int64_t CODE_BYTES = 256;    // TILE * GROUP / 2 = TILE * BYTE_GROUP
 constexpr int64_t BLOCK_BYTES = 320;   // codes + 16 fp16 scales + 16 fp16 mins
+
+// inputs one block covers in the format of `bits`-bit codes
+constexpr int64_t block_inputs(int bits) { return bits == 4 ? GROUP : BYTE_GROUP; }
 // Blocks are asked for this many groups before they are read. The hardware prefetcher alone left
 // the cores waiting: measured on the 2-core VM over the 1.5B model's 28 layers of linears, 12
 // groups ahead took one row from 45.9 to 36.2 ms, 4 rows from 57 to 41 ms and 16 rows from 96 to
@@ -45,159 +51,204 @@ inline int32_t four_bytes(const int8_t* p) {
   return v;
 }
 
-// ---- activations: each row quantized on its own (absmax / 127), with its sums per group ---------
+// ---- activations: each group of 32 inputs of a row quantized on its own (absmax / 127) ----------
+//
+// steps: for each block of the row (32 inputs for 4-bit codes, 16 for 8-bit ones) the pair
+// (s, s * the sum of the block's quantized activations), s the scale of the group of 32 holding it.
+// The tiles fold s into their two multiply-adds per block; the pairs of a row lie together.
+
+inline float activation_scale(float absmax) { return (absmax > 1e-12f ? absmax : 1e-12f) / 127.0f; }
+
+// (s, sums of the group's two halves of 16) -> the group's one or two (s, s * sum) pairs
+inline void store_steps(float s, int32_t first, int32_t second, int bits, float* steps) {
+  if (bits == 4) {
+    steps[0] = s, steps[1] = s * (float)(first + second);
+  } else {
+    steps[0] = s, steps[1] = s * (float)first;
+    steps[2] = s, steps[3] = s * (float)second;
+  }
+}
 
 __attribute__((target("avx512f,avx512bw")))
-void quantize_row_avx512(const float* x, int64_t k, int8_t* q, float* scale, float* group_sums) {
-  __m512 amax = _mm512_setzero_ps();
-  for (int64_t i = 0; i < k; i += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_loadu_ps(x + i)));
-  float m = _mm512_reduce_max_ps(amax);
-  float s = (m > 1e-12f ? m : 1e-12f) / 127.0f;
-  *scale = s;
-  const __m512 sv = _mm512_set1_ps(s), lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
+void quantize_row_avx512(const float* x, int64_t k, int bits, int8_t* q, float* steps) {
+  const __m512 lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
+  const int64_t pair_floats = 2 * GROUP / block_inputs(bits);
   for (int64_t g = 0; g < k / GROUP; ++g) {
-    __m512i sum = _mm512_setzero_si512();
-    for (int64_t j = 0; j < GROUP; j += 16) {
-      __m512 v = _mm512_div_ps(_mm512_loadu_ps(x + g * GROUP + j), sv);
+    const __m512 halves[2] = {_mm512_loadu_ps(x + g * GROUP), _mm512_loadu_ps(x + g * GROUP + 16)};
+    const float s = activation_scale(_mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(halves[0]), _mm512_abs_ps(halves[1]))));
+    const __m512 sv = _mm512_set1_ps(s);
+    int32_t sums[2];
+    for (int h = 0; h < 2; ++h) {
+      __m512 v = _mm512_div_ps(halves[h], sv);
       v = _mm512_min_ps(_mm512_max_ps(_mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), lo), hi);
-      __m512i iv = _mm512_cvtps_epi32(v);
-      sum = _mm512_add_epi32(sum, iv);
-      _mm_storeu_si128((__m128i*)(q + g * GROUP + j), _mm512_cvtsepi32_epi8(iv));
+      const __m512i iv = _mm512_cvtps_epi32(v);
+      sums[h] = _mm512_reduce_add_epi32(iv);
+      _mm_storeu_si128((__m128i*)(q + g * GROUP + 16 * h), _mm512_cvtsepi32_epi8(iv));
     }
-    group_sums[g] = (float)_mm512_reduce_add_epi32(sum);
+    store_steps(s, sums[0], sums[1], bits, steps + g * pair_floats);
   }
 }
 
 __attribute__((target("avx2,fma")))
-void quantize_row_avx2(const float* x, int64_t k, int8_t* q, float* scale, float* group_sums) {
-  float m = 0.0f;
-  for (int64_t i = 0; i < k; ++i) {
-    float a = x[i] < 0 ? -x[i] : x[i];
-    m = a > m ? a : m;
-  }
-  float s = (m > 1e-12f ? m : 1e-12f) / 127.0f;
-  *scale = s;
-  const __m256 sv = _mm256_set1_ps(s), lo = _mm256_set1_ps(-127.0f), hi = _mm256_set1_ps(127.0f);
+void quantize_row_avx2(const float* x, int64_t k, int bits, int8_t* q, float* steps) {
+  const __m256 lo = _mm256_set1_ps(-127.0f), hi = _mm256_set1_ps(127.0f);
+  const int64_t pair_floats = 2 * GROUP / block_inputs(bits);
   for (int64_t g = 0; g < k / GROUP; ++g) {
-    int32_t total = 0;
+    const float* group = x + g * GROUP;
+    float m = 0.0f;
+    for (int64_t i = 0; i < GROUP; ++i) {
+      const float a = group[i] < 0 ? -group[i] : group[i];
+      m = a > m ? a : m;
+    }
+    const float s = activation_scale(m);
+    const __m256 sv = _mm256_set1_ps(s);
+    int32_t sums[2] = {0, 0};
     for (int64_t j = 0; j < GROUP; j += 8) {
-      __m256 v = _mm256_div_ps(_mm256_loadu_ps(x + g * GROUP + j), sv);
+      __m256 v = _mm256_div_ps(_mm256_loadu_ps(group + j), sv);
       v = _mm256_min_ps(_mm256_max_ps(_mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), lo), hi);
       int32_t ints[8];
       _mm256_storeu_si256((__m256i*)ints, _mm256_cvtps_epi32(v));
       for (int t = 0; t < 8; ++t) {
         q[g * GROUP + j + t] = (int8_t)ints[t];
-        total += ints[t];
+        sums[j / 16] += ints[t];
       }
     }
-    group_sums[g] = (float)total;
+    store_steps(s, sums[0], sums[1], bits, steps + g * pair_floats);
   }
 }
 
 // ---- one tile of 16 outputs for R rows --------------------------------------------------------
+//
+// A tile's `count` blocks (K / 32 of 4-bit codes or K / 16 of 8-bit ones) are read in order; block
+// j's integer sums for a row are scaled and added by add_block, the one float step order of every
+// path. `steps` are the quantizer's pairs, 2 * count floats per row.
 
-// out[r][n0 ..] = total[r] * row_scales[r] + bias for the tile's outputs that exist
+// out[r][n0 ..] = total[r] + bias for the tile's outputs that exist
 __attribute__((target("avx512f"), always_inline))
-inline void store_tile(const __m512* total, int rows, const float* row_scales, const float* bias, float* out, int64_t n,
-                       int64_t n0) {
+inline void store_tile(const __m512* total, int rows, const float* bias, float* out, int64_t n, int64_t n0) {
   const int64_t width = n - n0 < TILE ? n - n0 : TILE;
   const __mmask16 keep = (__mmask16)((1u << width) - 1u);
   const __m512 add = bias ? _mm512_maskz_loadu_ps(keep, bias + n0) : _mm512_setzero_ps();
-  for (int r = 0; r < rows; ++r)
-    _mm512_mask_storeu_ps(out + r * n + n0, keep, _mm512_add_ps(_mm512_mul_ps(total[r], _mm512_set1_ps(row_scales[r])), add));
+  for (int r = 0; r < rows; ++r) _mm512_mask_storeu_ps(out + r * n + n0, keep, _mm512_add_ps(total[r], add));
 }
 
-// out[r][n] = row_scale[r] * sum_g (scale[n,g] * sum_k code[n,k] q[r,k] + min[n,g] * sum_k q[r,k]) + bias[n]
-template <int R>
+// total += (scale * s) * sums + min * (s * sum of the activations), step = the row's (s, s * sum)
+__attribute__((target("avx512f,fma"), always_inline))
+inline __m512 add_block(__m512 total, __m512i sums, __m512 scale, __m512 mins, const float* step) {
+  total = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_mul_ps(scale, _mm512_set1_ps(step[0])), total);
+  return _mm512_fmadd_ps(mins, _mm512_set1_ps(step[1]), total);
+}
+
+// out[r][n] = sum_j (scale[n,j] s[r,j] * sum_k code[n,k] q[r,k] + min[n,j] * s[r,j] sum_k q[r,k]) + bias[n]
+template <int R, int BITS>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")))
-void tile_avx512(const uint8_t* blocks, int64_t groups, const int8_t* q, int64_t k, const float* group_sums,
-                 const float* row_scales, const float* bias, float* out, int64_t n, int64_t n0) {
+void tile_avx512(const uint8_t* blocks, int64_t count, const int8_t* q, int64_t k, const float* steps,
+                 const float* bias, float* out, int64_t n, int64_t n0) {
   const __m512i low = _mm512_set1_epi8(0x0F);
   __m512 total[R];
   for (int r = 0; r < R; ++r) total[r] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < groups; ++g) {
-    const uint8_t* b = blocks + g * BLOCK_BYTES;
+  for (int64_t j = 0; j < count; ++j) {
+    const uint8_t* b = blocks + j * BLOCK_BYTES;
     prefetch_block(b + PREFETCH_GROUPS * BLOCK_BYTES);
     __m512i sums[R];
     for (int r = 0; r < R; ++r) sums[r] = _mm512_setzero_si512();
     for (int p = 0; p < 4; ++p) {
-      // lane n holds codes of inputs 4p..4p+3 (low nibbles) and 16+4p..16+4p+3 (high nibbles)
-      __m512i v = _mm512_loadu_si512((const void*)(b + 64 * p));
-      __m512i lo = _mm512_and_si512(v, low);
-      __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-      for (int r = 0; r < R; ++r) {
-        const int8_t* a = q + r * k + g * GROUP;
-        sums[r] = _mm512_dpbusd_epi32(sums[r], lo, _mm512_set1_epi32(four_bytes(a + 4 * p)));
-        sums[r] = _mm512_dpbusd_epi32(sums[r], hi, _mm512_set1_epi32(four_bytes(a + 16 + 4 * p)));
+      const __m512i v = _mm512_loadu_si512((const void*)(b + 64 * p));
+      if constexpr (BITS == 4) {
+        // lane n holds codes of inputs 4p..4p+3 (low nibbles) and 16+4p..16+4p+3 (high nibbles)
+        const __m512i lo = _mm512_and_si512(v, low);
+        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+        for (int r = 0; r < R; ++r) {
+          const int8_t* a = q + r * k + j * GROUP;
+          sums[r] = _mm512_dpbusd_epi32(sums[r], lo, _mm512_set1_epi32(four_bytes(a + 4 * p)));
+          sums[r] = _mm512_dpbusd_epi32(sums[r], hi, _mm512_set1_epi32(four_bytes(a + 16 + 4 * p)));
+        }
+      } else {
+        // lane n holds the byte codes of inputs 4p..4p+3
+        for (int r = 0; r < R; ++r)
+          sums[r] = _mm512_dpbusd_epi32(sums[r], v, _mm512_set1_epi32(four_bytes(q + r * k + j * BYTE_GROUP + 4 * p)));
       }
     }
     const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(b + CODE_BYTES)));
     const __m512 mins = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(b + CODE_BYTES + 32)));
-    for (int r = 0; r < R; ++r) {
-      total[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[r]), scale, total[r]);
-      total[r] = _mm512_fmadd_ps(mins, _mm512_set1_ps(group_sums[r * groups + g]), total[r]);
-    }
+    for (int r = 0; r < R; ++r) total[r] = add_block(total[r], sums[r], scale, mins, steps + r * 2 * count + 2 * j);
   }
-  store_tile(total, R, row_scales, bias, out, n, n0);
+  store_tile(total, R, bias, out, n, n0);
 }
 
-// The same sums with AVX2: u8 x s8 pairs (maddubs; at most 2 * 15 * 127, no saturation), then
-// pairs of pairs (madd with ones). The 16 outputs of a tile are two halves of 8.
-template <int R>
+// The same sums with AVX2: u8 x s8 pairs (maddubs), then pairs of pairs (madd). The 16 outputs of a
+// tile are two halves of 8. maddubs saturates a pair past 32767: 4-bit codes stay below it (at
+// most 2 * 15 * 127), byte codes are split into their low 7 bits (2 * 127 * 127) and their top
+// bit, whose pairs madd weighs by 128: both exact.
+template <int R, int BITS>
 __attribute__((target("avx2,fma,f16c")))
-void tile_avx2(const uint8_t* blocks, int64_t groups, const int8_t* q, int64_t k, const float* group_sums,
-               const float* row_scales, const float* bias, float* out, int64_t n, int64_t n0) {
-  const __m256i low = _mm256_set1_epi8(0x0F);
-  const __m256i ones = _mm256_set1_epi16(1);
+void tile_avx2(const uint8_t* blocks, int64_t count, const int8_t* q, int64_t k, const float* steps,
+               const float* bias, float* out, int64_t n, int64_t n0) {
+  const __m256i low = _mm256_set1_epi8(0x0F), low7 = _mm256_set1_epi8(0x7F), bit = _mm256_set1_epi8(1);
+  const __m256i ones = _mm256_set1_epi16(1), top_weight = _mm256_set1_epi16(128);
   __m256 total[R][2];
   for (int r = 0; r < R; ++r) total[r][0] = total[r][1] = _mm256_setzero_ps();
-  for (int64_t g = 0; g < groups; ++g) {
-    const uint8_t* b = blocks + g * BLOCK_BYTES;
+  for (int64_t j = 0; j < count; ++j) {
+    const uint8_t* b = blocks + j * BLOCK_BYTES;
     prefetch_block(b + PREFETCH_GROUPS * BLOCK_BYTES);
     for (int h = 0; h < 2; ++h) {
       __m256i sums[R];
       for (int r = 0; r < R; ++r) sums[r] = _mm256_setzero_si256();
       for (int p = 0; p < 4; ++p) {
-        __m256i v = _mm256_loadu_si256((const __m256i*)(b + 64 * p + 32 * h));
-        __m256i lo = _mm256_and_si256(v, low);
-        __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-        for (int r = 0; r < R; ++r) {
-          const int8_t* a = q + r * k + g * GROUP;
-          __m256i plo = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(four_bytes(a + 4 * p))), ones);
-          __m256i phi = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, _mm256_set1_epi32(four_bytes(a + 16 + 4 * p))), ones);
-          sums[r] = _mm256_add_epi32(sums[r], _mm256_add_epi32(plo, phi));
+        const __m256i v = _mm256_loadu_si256((const __m256i*)(b + 64 * p + 32 * h));
+        if constexpr (BITS == 4) {
+          const __m256i lo = _mm256_and_si256(v, low);
+          const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+          for (int r = 0; r < R; ++r) {
+            const int8_t* a = q + r * k + j * GROUP;
+            __m256i plo = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(four_bytes(a + 4 * p))), ones);
+            __m256i phi = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, _mm256_set1_epi32(four_bytes(a + 16 + 4 * p))), ones);
+            sums[r] = _mm256_add_epi32(sums[r], _mm256_add_epi32(plo, phi));
+          }
+        } else {
+          const __m256i rest = _mm256_and_si256(v, low7);
+          const __m256i top = _mm256_and_si256(_mm256_srli_epi16(v, 7), bit);
+          for (int r = 0; r < R; ++r) {
+            const __m256i a = _mm256_set1_epi32(four_bytes(q + r * k + j * BYTE_GROUP + 4 * p));
+            __m256i prest = _mm256_madd_epi16(_mm256_maddubs_epi16(rest, a), ones);
+            __m256i ptop = _mm256_madd_epi16(_mm256_maddubs_epi16(top, a), top_weight);
+            sums[r] = _mm256_add_epi32(sums[r], _mm256_add_epi32(prest, ptop));
+          }
         }
       }
       const __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(b + CODE_BYTES + 16 * h)));
       const __m256 mins = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(b + CODE_BYTES + 32 + 16 * h)));
-      for (int r = 0; r < R; ++r) {
-        total[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[r]), scale, total[r][h]);
-        total[r][h] = _mm256_fmadd_ps(mins, _mm256_set1_ps(group_sums[r * groups + g]), total[r][h]);
+      for (int r = 0; r < R; ++r) {  // add_block's steps, on 8 lanes
+        const float* step = steps + r * 2 * count + 2 * j;
+        total[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[r]), _mm256_mul_ps(scale, _mm256_set1_ps(step[0])), total[r][h]);
+        total[r][h] = _mm256_fmadd_ps(mins, _mm256_set1_ps(step[1]), total[r][h]);
       }
     }
   }
   const int64_t width = n - n0 < TILE ? n - n0 : TILE;
   for (int r = 0; r < R; ++r) {
     float y[TILE];
-    _mm256_storeu_ps(y, _mm256_mul_ps(total[r][0], _mm256_set1_ps(row_scales[r])));
-    _mm256_storeu_ps(y + 8, _mm256_mul_ps(total[r][1], _mm256_set1_ps(row_scales[r])));
-    for (int64_t j = 0; j < width; ++j) out[r * n + n0 + j] = bias ? y[j] + bias[n0 + j] : y[j];
+    _mm256_storeu_ps(y, total[r][0]);
+    _mm256_storeu_ps(y + 8, total[r][1]);
+    for (int64_t i = 0; i < width; ++i) out[r * n + n0 + i] = bias ? y[i] + bias[n0 + i] : y[i];
   }
 }
 
 // ---- AMX: the same sums for 16 rows at once, on the tile unit ----------------------------------
 //
-// For a group, the 16 rows' 32 activations (a 16 x 32-byte tile read in place from the quantized
-// rows) times the tile's codes (unpacked to bytes: 8 x 64, the layout the dot product wants, which
-// is how the blocks already order them) give all 16 x 16 integer sums in one TDPBSSD (codes 0..15
-// are valid signed bytes). The sums are exact int32, as with VNNI, and the float steps after them
-// are the VNNI tile's, in the same order: a row's result is bit-identical on either path. The
-// tile unit works on group g while the vector units scale and add group g - LAG's sums (a ring of
-// sums tiles and buffers), so a group costs one TDPBSSD plus its float epilogue instead of 128
-// VPDPBUSDs.
+// 4-bit codes: for a group, the 16 rows' 32 activations (a 16 x 32-byte tile read in place from the
+// quantized rows) times the tile's codes (unpacked to bytes: 8 x 64, the layout the dot product
+// wants, which is how the blocks already order them) give all 16 x 16 integer sums in one TDPBSSD
+// (codes 0..15 are valid signed bytes). 8-bit codes: a block's 16 inputs are a 16 x 16-byte tile of
+// activations times its 256 code bytes read in place as a 4 x 64 tile, in one TDPBSUD (signed
+// activations, unsigned codes). The sums are exact int32, as with VNNI, and the float steps after
+// them are the VNNI tile's (add_block), in the same order: a row's result is bit-identical on
+// either path. The tile unit works on block j while the vector units scale and add block j - LAG's
+// sums (a ring of sums tiles and buffers), so a block costs one tile product plus its float
+// epilogue instead of 128 (or 64) VPDPBUSDs.
 
 constexpr int AMX_ROWS = 16;
-constexpr int LAG = 3;           // groups in flight on the tile unit while the vector units finish older ones
+constexpr int LAG = 3;           // blocks in flight on the tile unit while the vector units finish older ones
 constexpr int UNPACK_AHEAD = 7;  // (both + 1 are powers of two: they index rings)
 
 struct TileConfig {
@@ -208,39 +259,43 @@ struct TileConfig {
   uint8_t rows[16];
 };
 
-// tiles 0-3: sums (16 rows x 16 int32), 4/5: activations (16 x 32 bytes), 6/7: codes (8 x 64 bytes).
-// A global, not a local: GCC 12 does not see that ldtilecfg reads the local and drops its stores.
-const TileConfig TILES = [] {
+// tiles 0-3: sums (16 rows x 16 int32), 4/5: activations (16 rows x a block's inputs, one byte
+// each), 6/7: codes (a block's inputs / 4 rows of 64 bytes: 8 for 4-bit codes, 4 for 8-bit ones).
+// Globals, not locals: GCC 12 does not see that ldtilecfg reads a local and drops its stores.
+TileConfig tile_config(int bits) {
   TileConfig config = {};
   config.palette = 1;
   for (int t = 0; t < 4; ++t) config.rows[t] = AMX_ROWS, config.colsb[t] = 64;
   for (int t = 0; t < 2; ++t) {
-    config.rows[4 + t] = AMX_ROWS, config.colsb[4 + t] = GROUP;
-    config.rows[6 + t] = GROUP / 4, config.colsb[6 + t] = 64;
+    config.rows[4 + t] = AMX_ROWS, config.colsb[4 + t] = (uint16_t)block_inputs(bits);
+    config.rows[6 + t] = (uint8_t)(block_inputs(bits) / 4), config.colsb[6 + t] = 64;
   }
   return config;
-}();
+}
+const TileConfig NIBBLE_TILES = tile_config(4);
+const TileConfig BYTE_TILES = tile_config(8);
 
 __attribute__((target("amx-tile")))
-void configure_tiles() { _tile_loadconfig(&TILES); }
+void configure_tiles(int bits) { _tile_loadconfig(bits == 4 ? &NIBBLE_TILES : &BYTE_TILES); }
 
 __attribute__((target("amx-tile")))
 void release_tiles() { _tile_release(); }
 
-// The tile numbers must be literals (the intrinsics paste them into the instruction).
-#define GROUP_SUMS_AMX(SUMS, ACTIVATIONS, CODES, activations, k, codes, sums) \
-  do {                                                                      \
-    _tile_loadd(ACTIVATIONS, activations, k);                               \
-    _tile_loadd(CODES, codes, 64);                                          \
-    _tile_zero(SUMS);                                                       \
-    _tile_dpbssd(SUMS, ACTIVATIONS, CODES);                                 \
-    _tile_stored(SUMS, sums, 64);                                           \
+// The tile numbers must be literals (the intrinsics paste them into the instruction); DOT is
+// _tile_dpbssd or _tile_dpbsud.
+#define BLOCK_SUMS_AMX(DOT, SUMS, ACTIVATIONS, CODES, activations, k, codes, sums) \
+  do {                                                                           \
+    _tile_loadd(ACTIVATIONS, activations, k);                                    \
+    _tile_loadd(CODES, codes, 64);                                               \
+    _tile_zero(SUMS);                                                            \
+    DOT(SUMS, ACTIVATIONS, CODES);                                               \
+    _tile_stored(SUMS, sums, 64);                                                \
   } while (0)
 
-// A block's codes as bytes, 8 rows of 64: row p holds inputs 4p..4p+3 (the low nibbles of vector
-// p), row 4 + p inputs 16 + 4p.. (its high nibbles). This runs a few groups before the tile load
-// that reads it: a tile load waits for the stores it overlaps to reach the cache, which measured
-// as long as the rest of a group's work.
+// A block's 4-bit codes as bytes, 8 rows of 64: row p holds inputs 4p..4p+3 (the low nibbles of
+// vector p), row 4 + p inputs 16 + 4p.. (its high nibbles). This runs a few groups before the tile
+// load that reads it: a tile load waits for the stores it overlaps to reach the cache, which
+// measured as long as the rest of a group's work. (Byte codes need no unpacking.)
 __attribute__((target("avx512f,avx512bw"), always_inline))
 inline void unpack(const uint8_t* block, int8_t* codes) {
   const __m512i low = _mm512_set1_epi8(0x0F);
@@ -251,41 +306,52 @@ inline void unpack(const uint8_t* block, int8_t* codes) {
   }
 }
 
-// total[r] += scale * sums[r] + min * (row r's sum of the group's activations), as in tile_avx512
+// total[r] += block's steps for row r's sums (sums: 16 rows x 16 int32; step: row 0's pair)
 __attribute__((target("avx512f,f16c,fma"), always_inline))
-inline void add_group(__m512* total, const uint8_t* block, const int32_t* sums, const float* group_sums, int64_t groups) {
+inline void add_sums(__m512* total, const uint8_t* block, const int32_t* sums, const float* step, int64_t row_floats) {
   const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(block + CODE_BYTES)));
   const __m512 mins = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(block + CODE_BYTES + 32)));
-  for (int r = 0; r < AMX_ROWS; ++r) {
-    total[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512((const void*)(sums + r * TILE))), scale, total[r]);
-    total[r] = _mm512_fmadd_ps(mins, _mm512_set1_ps(group_sums[r * groups]), total[r]);
-  }
+  for (int r = 0; r < AMX_ROWS; ++r)
+    total[r] = add_block(total[r], _mm512_load_si512((const void*)(sums + r * TILE)), scale, mins, step + r * row_floats);
 }
 
+template <int BITS>
 __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,f16c,fma")))
-void tile_amx(const uint8_t* blocks, int64_t groups, const int8_t* q, int64_t k, const float* group_sums,
-              const float* row_scales, const float* bias, float* out, int64_t n, int64_t n0) {
-  alignas(64) int8_t codes[UNPACK_AHEAD + 1][8 * 64];
+void tile_amx(const uint8_t* blocks, int64_t count, const int8_t* q, int64_t k, const float* steps,
+              const float* bias, float* out, int64_t n, int64_t n0) {
+  alignas(64) int8_t codes[BITS == 4 ? UNPACK_AHEAD + 1 : 1][8 * 64];
   alignas(64) int32_t sums[LAG + 1][AMX_ROWS * TILE];
   __m512 total[AMX_ROWS];
   for (int r = 0; r < AMX_ROWS; ++r) total[r] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < UNPACK_AHEAD && g < groups; ++g) unpack(blocks + g * BLOCK_BYTES, codes[g]);
-  for (int64_t g = 0; g < groups; ++g) {
-    prefetch_block(blocks + (g + PREFETCH_GROUPS) * BLOCK_BYTES);
-    if (g + UNPACK_AHEAD < groups) unpack(blocks + (g + UNPACK_AHEAD) * BLOCK_BYTES, codes[(g + UNPACK_AHEAD) & UNPACK_AHEAD]);
-    const int8_t* c = codes[g & UNPACK_AHEAD];
-    int32_t* s = sums[g & LAG];
-    switch (g & LAG) {
-      case 0: GROUP_SUMS_AMX(0, 4, 6, q + g * GROUP, k, c, s); break;
-      case 1: GROUP_SUMS_AMX(1, 5, 7, q + g * GROUP, k, c, s); break;
-      case 2: GROUP_SUMS_AMX(2, 4, 6, q + g * GROUP, k, c, s); break;
-      default: GROUP_SUMS_AMX(3, 5, 7, q + g * GROUP, k, c, s); break;
+  if constexpr (BITS == 4)
+    for (int64_t j = 0; j < UNPACK_AHEAD && j < count; ++j) unpack(blocks + j * BLOCK_BYTES, codes[j]);
+  for (int64_t j = 0; j < count; ++j) {
+    prefetch_block(blocks + (j + PREFETCH_GROUPS) * BLOCK_BYTES);
+    const int8_t* a = q + j * block_inputs(BITS);  // (16 rows, block_inputs) with rows k bytes apart
+    int32_t* s = sums[j & LAG];
+    if constexpr (BITS == 4) {
+      if (j + UNPACK_AHEAD < count) unpack(blocks + (j + UNPACK_AHEAD) * BLOCK_BYTES, codes[(j + UNPACK_AHEAD) & UNPACK_AHEAD]);
+      const int8_t* c = codes[j & UNPACK_AHEAD];
+      switch (j & LAG) {
+        case 0: BLOCK_SUMS_AMX(_tile_dpbssd, 0, 4, 6, a, k, c, s); break;
+        case 1: BLOCK_SUMS_AMX(_tile_dpbssd, 1, 5, 7, a, k, c, s); break;
+        case 2: BLOCK_SUMS_AMX(_tile_dpbssd, 2, 4, 6, a, k, c, s); break;
+        default: BLOCK_SUMS_AMX(_tile_dpbssd, 3, 5, 7, a, k, c, s); break;
+      }
+    } else {
+      const uint8_t* c = blocks + j * BLOCK_BYTES;  // (4 rows, 64 bytes): already the tile's layout
+      switch (j & LAG) {
+        case 0: BLOCK_SUMS_AMX(_tile_dpbsud, 0, 4, 6, a, k, c, s); break;
+        case 1: BLOCK_SUMS_AMX(_tile_dpbsud, 1, 5, 7, a, k, c, s); break;
+        case 2: BLOCK_SUMS_AMX(_tile_dpbsud, 2, 4, 6, a, k, c, s); break;
+        default: BLOCK_SUMS_AMX(_tile_dpbsud, 3, 5, 7, a, k, c, s); break;
+      }
     }
-    if (g >= LAG) add_group(total, blocks + (g - LAG) * BLOCK_BYTES, sums[(g - LAG) & LAG], group_sums + g - LAG, groups);
+    if (j >= LAG) add_sums(total, blocks + (j - LAG) * BLOCK_BYTES, sums[(j - LAG) & LAG], steps + 2 * (j - LAG), 2 * count);
   }
-  for (int64_t g = groups > LAG ? groups - LAG : 0; g < groups; ++g)
-    add_group(total, blocks + g * BLOCK_BYTES, sums[g & LAG], group_sums + g, groups);
-  store_tile(total, AMX_ROWS, row_scales, bias, out, n, n0);
+  for (int64_t j = count > LAG ? count - LAG : 0; j < count; ++j)
+    add_sums(total, blocks + j * BLOCK_BYTES, sums[j & LAG], steps + 2 * j, 2 * count);
+  store_tile(total, AMX_ROWS, bias, out, n, n0);
 }
 
 bool amx_usable() {
@@ -331,35 +397,59 @@ void rows_to_bf16(const float* x, int64_t m, int64_t k, uint16_t* a) {
   }
 }
 
-// One tile's blocks -> per group 16 rows of 64 bytes: row j holds, for each of the 16 outputs n,
-// the bf16 weights of inputs 2j and 2j + 1 (TDPBF16PS's pairs). In the codes, the 32-bit lane n of
-// vector p holds inputs 4p..4p+3 (low nibbles) and 16 + 4p.. (high nibbles): its low 16 bits are
-// the pair of row 2p, its high 16 bits the pair of row 2p + 1 (8 + 2p, 9 + 2p for the high nibbles).
-__attribute__((target("avx512f,avx512bw,avx512bf16,f16c")))
-void dequantize_tile(const uint8_t* blocks, int64_t groups, uint16_t* w) {
-  const __m512i low = _mm512_set1_epi8(0x0F);
+// A block's scales and mins, each spread over the two halves of 16 bf16 pairs' lanes (outputs 0..7, 8..15).
+struct PairSteps {
+  __m512 scale_first, scale_last, min_first, min_last;
+};
+
+__attribute__((target("avx512f,f16c"), always_inline))
+inline PairSteps pair_steps(const uint8_t* block) {
   const __m512i first_outputs = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
   const __m512i last_outputs = _mm512_add_epi32(first_outputs, _mm512_set1_epi32(8));
+  const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(block + CODE_BYTES)));
+  const __m512 mins = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(block + CODE_BYTES + 32)));
+  return {_mm512_permutexvar_ps(first_outputs, scale), _mm512_permutexvar_ps(last_outputs, scale),
+          _mm512_permutexvar_ps(first_outputs, mins), _mm512_permutexvar_ps(last_outputs, mins)};
+}
+
+// codes: lane n holds the codes of 4 consecutive inputs of output n, one per byte (0..255) -> rows
+// `row` and `row + 1` of a bf16 weight tile (row j: for each output, the weights of inputs 2j, 2j + 1)
+__attribute__((target("avx512f,avx512bw,avx512bf16"), always_inline))
+inline void store_bf16_rows(__m512i codes, const PairSteps& steps, uint16_t* tile, int row) {
+  for (int half = 0; half < 2; ++half) {
+    const __m256i pairs = _mm512_cvtepi32_epi16(half ? _mm512_srli_epi32(codes, 16) : codes);  // 16 x (2 codes)
+    __m512 first = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(pairs)));  // outputs 0..7
+    __m512 last = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(pairs, 1)));  // 8..15
+    first = _mm512_fmadd_ps(first, steps.scale_first, steps.min_first);
+    last = _mm512_fmadd_ps(last, steps.scale_last, steps.min_last);
+    _mm512_storeu_si512((void*)(tile + (row + half) * 32), (__m512i)_mm512_cvtne2ps_pbh(last, first));
+  }
+}
+
+// One tile's blocks -> per group of 32 inputs 16 rows of 64 bytes: row j holds, for each of the 16
+// outputs n, the bf16 weights of inputs 2j and 2j + 1 (TDPBF16PS's pairs). In 4-bit codes, the
+// 32-bit lane n of vector p holds inputs 4p..4p+3 (low nibbles) and 16 + 4p.. (high nibbles): its
+// low 16 bits are the pair of row 2p, its high 16 bits the pair of row 2p + 1 (8 + 2p, 9 + 2p for
+// the high nibbles). In 8-bit codes a group is two blocks, the second one's vectors in rows 8 + 2p.
+__attribute__((target("avx512f,avx512bw,avx512bf16,f16c")))
+void dequantize_tile(const uint8_t* blocks, int64_t groups, int bits, uint16_t* w) {
+  const __m512i low = _mm512_set1_epi8(0x0F);
   for (int64_t g = 0; g < groups; ++g) {
-    const uint8_t* b = blocks + g * BLOCK_BYTES;
-    const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(b + CODE_BYTES)));
-    const __m512 mins = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(b + CODE_BYTES + 32)));
-    const __m512 scale_first = _mm512_permutexvar_ps(first_outputs, scale), scale_last = _mm512_permutexvar_ps(last_outputs, scale);
-    const __m512 min_first = _mm512_permutexvar_ps(first_outputs, mins), min_last = _mm512_permutexvar_ps(last_outputs, mins);
-    uint16_t* out = w + g * 16 * 32;
-    for (int p = 0; p < 4; ++p) {
-      const __m512i v = _mm512_loadu_si512((const void*)(b + 64 * p));
-      const __m512i nibbles[2] = {_mm512_and_si512(v, low), _mm512_and_si512(_mm512_srli_epi16(v, 4), low)};
-      for (int h = 0; h < 2; ++h)
-        for (int half = 0; half < 2; ++half) {
-          const __m256i pairs = _mm512_cvtepi32_epi16(half ? _mm512_srli_epi32(nibbles[h], 16) : nibbles[h]);  // 16 x (2 codes)
-          __m512 first = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(pairs)));  // outputs 0..7
-          __m512 last = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(pairs, 1)));  // 8..15
-          first = _mm512_fmadd_ps(first, scale_first, min_first);
-          last = _mm512_fmadd_ps(last, scale_last, min_last);
-          const int row = 8 * h + 2 * p + half;
-          _mm512_storeu_si512((void*)(out + row * 32), (__m512i)_mm512_cvtne2ps_pbh(last, first));
-        }
+    uint16_t* tile = w + g * 16 * 32;
+    if (bits == 4) {
+      const uint8_t* b = blocks + g * BLOCK_BYTES;
+      const PairSteps steps = pair_steps(b);
+      for (int p = 0; p < 4; ++p) {
+        const __m512i v = _mm512_loadu_si512((const void*)(b + 64 * p));
+        store_bf16_rows(_mm512_and_si512(v, low), steps, tile, 2 * p);
+        store_bf16_rows(_mm512_and_si512(_mm512_srli_epi16(v, 4), low), steps, tile, 8 + 2 * p);
+      }
+    } else {
+      for (int h = 0; h < 2; ++h) {
+        const uint8_t* b = blocks + (2 * g + h) * BLOCK_BYTES;
+        const PairSteps steps = pair_steps(b);
+        for (int p = 0; p < 4; ++p) store_bf16_rows(_mm512_loadu_si512((const void*)(b + 64 * p)), steps, tile, 8 * h + 2 * p);
+      }
     }
   }
 }
@@ -424,15 +514,18 @@ inline __m512 exp_ps(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
-typedef void (*TileFn)(const uint8_t*, int64_t, const int8_t*, int64_t, const float*, const float*, const float*,
-                       float*, int64_t, int64_t);
+typedef void (*TileFn)(const uint8_t*, int64_t, const int8_t*, int64_t, const float*, const float*, float*, int64_t,
+                       int64_t);
 
 // Rows go in chunks of up to 8 (AVX-512: 2 x 8 accumulators fit in 32 registers) or 2 (AVX2).
-TileFn tile_fn(int isa, int rows) {
-  static const TileFn avx512[] = {tile_avx512<1>, tile_avx512<2>, tile_avx512<3>, tile_avx512<4>,
-                                  tile_avx512<5>, tile_avx512<6>, tile_avx512<7>, tile_avx512<8>};
-  static const TileFn avx2[] = {tile_avx2<1>, tile_avx2<2>};
-  return isa >= 2 ? avx512[rows - 1] : avx2[rows - 1];
+TileFn tile_fn(int isa, int bits, int rows) {
+  static const TileFn avx512[2][8] = {
+      {tile_avx512<1, 4>, tile_avx512<2, 4>, tile_avx512<3, 4>, tile_avx512<4, 4>, tile_avx512<5, 4>, tile_avx512<6, 4>,
+       tile_avx512<7, 4>, tile_avx512<8, 4>},
+      {tile_avx512<1, 8>, tile_avx512<2, 8>, tile_avx512<3, 8>, tile_avx512<4, 8>, tile_avx512<5, 8>, tile_avx512<6, 8>,
+       tile_avx512<7, 8>, tile_avx512<8, 8>}};
+  static const TileFn avx2[2][2] = {{tile_avx2<1, 4>, tile_avx2<2, 4>}, {tile_avx2<1, 8>, tile_avx2<2, 8>}};
+  return isa >= 2 ? avx512[bits == 8][rows - 1] : avx2[bits == 8][rows - 1];
 }
 
 }  // namespace
@@ -449,37 +542,36 @@ int w4a8_isa(void) {
   return 0;
 }
 
-// x (m, k) float32 -> out (m, n) float32. scratch: m * k bytes of int8 codes, then m * (k / 32 + 1)
-// floats (group sums, row scales). k is a multiple of 32; blocks as built by cpu_w4a8.pack.
+// x (m, k) float32 -> out (m, n) float32 for blocks of `bits`-bit codes (4 or 8) as built by
+// cpu_w4a8.pack / pack_bytes. scratch: m * k bytes of int8 activations (rounded up to 64), then per
+// row 2 * k / (32 or 16) floats (each block's scale and weighted activation sum). k is a multiple of 32.
 void w4a8_linear(const float* x, int64_t m, int64_t k, const uint8_t* blocks, int64_t n, const float* bias,
-                 float* out, void* scratch, int isa) {
-  const int64_t groups = k / GROUP;
+                 float* out, void* scratch, int isa, int bits) {
+  const int64_t count = k / block_inputs(bits);  // blocks per tile
   int8_t* q = (int8_t*)scratch;
-  float* group_sums = (float*)((char*)scratch + ((m * k + 63) / 64) * 64);
-  float* row_scales = group_sums + m * groups;
+  float* steps = (float*)((char*)scratch + ((m * k + 63) / 64) * 64);  // (m, count, 2)
 #pragma omp parallel for schedule(static) if (m * k >= (1 << 16))
   for (int64_t r = 0; r < m; ++r) {
-    if (isa >= 2) quantize_row_avx512(x + r * k, k, q + r * k, row_scales + r, group_sums + r * groups);
-    else quantize_row_avx2(x + r * k, k, q + r * k, row_scales + r, group_sums + r * groups);
+    if (isa >= 2) quantize_row_avx512(x + r * k, k, bits, q + r * k, steps + r * 2 * count);
+    else quantize_row_avx2(x + r * k, k, bits, q + r * k, steps + r * 2 * count);
   }
   const int64_t tiles = (n + TILE - 1) / TILE;
   const int chunk = isa >= 2 ? 8 : 2;
   // rows in whole sets of 16 go to the tile unit, the rest to the vector units (the same numbers)
   const int64_t amx_rows = isa == 3 ? m / AMX_ROWS * AMX_ROWS : 0;
+  const TileFn amx = bits == 4 ? tile_amx<4> : tile_amx<8>;
 #pragma omp parallel if (tiles > 1)
   {
-    if (amx_rows) configure_tiles();
+    if (amx_rows) configure_tiles(bits);
     // dynamic: a thread the OS preempts (2 cores, other processes) does not hold half the work
 #pragma omp for schedule(dynamic, 4)
     for (int64_t t = 0; t < tiles; ++t) {
-      const uint8_t* tile_blocks = blocks + t * groups * BLOCK_BYTES;
+      const uint8_t* tile_blocks = blocks + t * count * BLOCK_BYTES;
       for (int64_t r0 = 0; r0 < amx_rows; r0 += AMX_ROWS)
-        tile_amx(tile_blocks, groups, q + r0 * k, k, group_sums + r0 * groups, row_scales + r0, bias, out + r0 * n, n,
-                 t * TILE);
+        amx(tile_blocks, count, q + r0 * k, k, steps + r0 * 2 * count, bias, out + r0 * n, n, t * TILE);
       for (int64_t r0 = amx_rows; r0 < m; r0 += chunk) {
         const int rows = (int)(m - r0 < chunk ? m - r0 : chunk);
-        tile_fn(isa, rows)(tile_blocks, groups, q + r0 * k, k, group_sums + r0 * groups, row_scales + r0, bias,
-                           out + r0 * n, n, t * TILE);
+        tile_fn(isa, bits, rows)(tile_blocks, count, q + r0 * k, k, steps + r0 * 2 * count, bias, out + r0 * n, n, t * TILE);
       }
     }
     if (amx_rows) release_tiles();
@@ -493,13 +585,14 @@ int w4a8_prompt_usable(void) {
          amx_usable();
 }
 
-// A prompt's pass: x (m, k) float32 -> out (m, n) float32 through bf16 tiles. scratch: at least
+// A prompt's pass: x (m, k) float32 -> out (m, n) float32 through bf16 tiles, for blocks of
+// `bits`-bit codes (4 or 8). scratch: at least
 // w4a8_prompt_scratch(m, k) bytes.
 int64_t w4a8_prompt_scratch(int64_t m, int64_t k) { return (m + 15) / 16 * 16 * k * 2; }
 
 void w4a8_prompt(const float* x, int64_t m, int64_t k, const uint8_t* blocks, int64_t n, const float* bias, float* out,
-                 void* scratch) {
-  const int64_t groups = k / GROUP, tiles = (n + TILE - 1) / TILE;
+                 void* scratch, int bits) {
+  const int64_t groups = k / GROUP, count = k / block_inputs(bits), tiles = (n + TILE - 1) / TILE;
   uint16_t* a = (uint16_t*)scratch;
   rows_to_bf16(x, m, k, a);
 #pragma omp parallel
@@ -509,8 +602,8 @@ void w4a8_prompt(const float* x, int64_t m, int64_t k, const uint8_t* blocks, in
 #pragma omp for schedule(dynamic, 1)
     for (int64_t t = 0; t < tiles; t += 2) {
       uint16_t* w1 = t + 1 < tiles ? w + groups * 512 : nullptr;
-      dequantize_tile(blocks + t * groups * BLOCK_BYTES, groups, w);
-      if (w1) dequantize_tile(blocks + (t + 1) * groups * BLOCK_BYTES, groups, w1);
+      dequantize_tile(blocks + t * count * BLOCK_BYTES, groups, bits, w);
+      if (w1) dequantize_tile(blocks + (t + 1) * count * BLOCK_BYTES, groups, bits, w1);
       prompt_tiles(a, m, groups, w, w1, bias, out, n, t * TILE);
     }
     free(w);

@@ -1,4 +1,4 @@
-"""4-bit weights x 8-bit activations on x86 CPUs, made for the 1-16 rows of speculative decoding.
+"""4-bit (or 8-bit) weights x 8-bit activations on x86 CPUs, made for the 1-16 rows of speculative decoding.
 
 Why: a one-token decode step reads every weight once, so its cost is the weights' bytes over the
 memory bandwidth, and a verify pass of several tokens should cost little more. 16-bit activations
@@ -11,20 +11,31 @@ their integer sums from the tile unit instead (one TDPBSSD per group and 16 outp
 VPDPBUSDs), with the same float steps after them, so the numbers are the same bit for bit.
 Measured on a 2-core AVX-512 VNNI VM over the 1.5B's linears: 4 rows cost 1.1x what 1 row does
 (bound by the bytes), 16 rows 2.1x on VNNI (bound by the dot products) and about 1.8x with AMX.
+The same library runs a second block format, 8-bit codes with a scale and min per 16 inputs (10
+bits per weight), which GGUF's Q5_K, Q6_K and Q8_0 tensors load into without re-quantizing
+(TDPBSUD on the tile unit: signed activations, unsigned codes).
 
-Arithmetic, for a row x of the pass and an output feature n (groups g of 32 inputs):
-    x ~ s_x * a              a = round(x / s_x) in [-127, 127], s_x = absmax(x) / 127 (per row)
-    w[n, k] = c[n, k] * scale[n, g] + min[n, g]     c in 0..15 (the int4 format of int4_format.py,
-                                                     scale and min rounded to fp16)
-    y[n] = s_x * sum_g (scale[n, g] * sum_k c a + min[n, g] * sum_k a) + bias[n]
-The integer sums are exact; the float sum over groups runs in a fixed order per row, so a row's
-result does not depend on the other rows of the pass (greedy identity between decoding and
-verification holds by construction), nor on how the work is split between threads.
+Arithmetic, for a row x of the pass and an output feature n. Activations: one scale per group G of
+32 inputs of the row; weights: one scale and min per block b of 32 inputs (4-bit codes) or 16
+inputs (8-bit codes), each block inside one group G(b):
+    x[k] ~ s[G] * a[k]       a = round(x / s[G]) in [-127, 127], s[G] = absmax(x over G) / 127
+                             (at least 1e-12 / 127: an all-zero group quantizes to zeros)
+    w[n, k] = c[n, k] * scale[n, b] + min[n, b]     c in 0..15 (the int4 format of int4_format.py)
+                                                     or 0..255; scale and min rounded to fp16
+    y[n] = sum_b (scale[n, b] s[G(b)] * sum_k c a + min[n, b] * s[G(b)] sum_k a) + bias[n]
+A row's large values flatten only the 31 others of their group, not the whole row. The integer sums
+are exact; each block adds its two float32 multiply-adds to the output in block order, with
+scale * s rounded once and s * sum_k a once (the quantizer stores both per row and block), so a
+row's result does not depend on the other rows of the pass (greedy identity between decoding and
+verification holds by construction), nor on how the work is split between threads, nor on the
+instruction set: AVX2, VNNI and AMX give the same bits.
 
-Layout (`pack`): outputs in tiles of 16 (the last one padded with zeros), each tile a run of one
-320-byte block per group: 256 bytes of codes, byte 4n + t of 64-byte vector p holding the code of
-input 4p + t in its low nibble and of input 16 + 4p + t in its high nibble, for output n of the
-tile; then 16 fp16 scales; then 16 fp16 mins. `unpack` reads the int4 format back out of them.
+Layout: outputs in tiles of 16 (the last one padded with zeros), each tile a run of one 320-byte
+block per 32 inputs (4-bit) or 16 inputs (8-bit): 256 bytes of codes in four 64-byte vectors p,
+then 16 fp16 scales, then 16 fp16 mins, for the tile's outputs n in order. 4-bit (`pack`): byte
+4n + t of vector p holds the code of input 4p + t in its low nibble and of input 16 + 4p + t in its
+high nibble; `unpack` reads the int4 format back out of them. 8-bit (`pack_bytes`): byte 4n + t of
+vector p is the code of input 4p + t; `unpack_bytes` reads the codes, scales and mins back.
 
 Building: the C++ source beside this file is compiled on first use (`cpu_build`, about 2 s)
 into the cache folder the caller names. Without a compiler, or on a CPU without AVX2, `load` says
@@ -42,10 +53,12 @@ from pathlib import Path
 import torch
 
 from localspec.kernels.cpu_build import KernelUnavailable, build
-from localspec.kernels.cpu_w8a8 import quantize_rows
-from localspec.kernels.int4_format import dequantize_int4, unpack_int4
+from localspec.kernels.int4_format import unpack_int4
 
 GROUP = 32
+"""Inputs per block of 4-bit codes, and per activation scale of a row (both formats)."""
+BYTE_GROUP = 16
+"""Inputs per block of 8-bit codes: 16 outputs x 16 byte codes fill the same 256 bytes."""
 TILE = 16
 BLOCK_BYTES = 320
 SOURCE = Path(__file__).with_name("cpu_w4a8.cpp")
@@ -67,11 +80,11 @@ class Kernel:
         self._linear = library.w4a8_linear
         self._linear.restype = None
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        self._linear.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr, ptr, ctypes.c_int]
+        self._linear.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr, ptr, ctypes.c_int, ctypes.c_int]
         self.prompt_usable = bool(library.w4a8_prompt_usable())
         self._prompt = library.w4a8_prompt
         self._prompt.restype = None
-        self._prompt.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr, ptr]
+        self._prompt.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr, ptr, ctypes.c_int]
         self._silu_mul = library.w4a8_silu_mul
         self._silu_mul.restype = None
         self._silu_mul.argtypes = [ptr, ptr, i64, i64, i64, i64, ptr]
@@ -92,18 +105,21 @@ class Kernel:
     def name(self) -> str:
         return ISA_NAMES[self.isa]
 
-    def linear(self, x: torch.Tensor, blocks: torch.Tensor, n: int, bias: torch.Tensor | None, isa: int | None = None) -> torch.Tensor:
-        """x (M, K) float32 contiguous, blocks from `pack`, bias (N,) float32 or None -> (M, N) float32."""
+    def linear(self, x: torch.Tensor, blocks: torch.Tensor, n: int, bias: torch.Tensor | None, isa: int | None = None,
+               bits: int = 4) -> torch.Tensor:
+        """x (M, K) float32 contiguous, blocks of `bits`-bit codes (`pack`: 4, `pack_bytes`: 8), bias
+        (N,) float32 or None -> (M, N) float32. isa: force one path (ISA_NAMES), never the prompt path."""
         m, k = x.shape
+        block_inputs(bits)  # a format the library knows, or ValueError before any pointer is read
         out = torch.empty(m, n, dtype=torch.float32)  # (M, N)
         if self.prompt_usable and m >= PROMPT_ROWS and getattr(_prompt, "on", False) and isa is None:
             scratch = self._scratch(self._prompt_scratch(m, k))
             self._prompt(x.data_ptr(), m, k, blocks.data_ptr(), n, 0 if bias is None else bias.data_ptr(),
-                         out.data_ptr(), scratch.data_ptr())
+                         out.data_ptr(), scratch.data_ptr(), bits)
             return out
-        scratch = self._scratch(scratch_bytes(m, k))
+        scratch = self._scratch(scratch_bytes(m, k, bits))
         self._linear(x.data_ptr(), m, k, blocks.data_ptr(), n, 0 if bias is None else bias.data_ptr(),
-                     out.data_ptr(), scratch.data_ptr(), self.isa if isa is None else isa)
+                     out.data_ptr(), scratch.data_ptr(), self.isa if isa is None else isa, bits)
         return out
 
 
@@ -112,7 +128,8 @@ PROMPT_ROWS = 16
 per call: over the 1.5B's linears that repays itself from about 32 rows and costs about 40 ms more
 at 16. It is taken from 16 for fidelity: next-token log-probabilities over a 500-token prompt were
 within a mean KL of 0.0004 of the float32-activation int4 model on this path, against 0.033 with
-int8 rows, whose per-row scale flattens the first position's huge activations (KL 9.9 there)."""
+int8 rows under the one scale per row the decode path then had, which flattened the first
+position's huge activations (KL 9.9 there; its scales are per 32 inputs now)."""
 
 _prompt = threading.local()
 
@@ -147,28 +164,28 @@ def silu_mul_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.silu(gate) * up
 
 
-def scratch_bytes(m: int, k: int) -> int:
-    """Quantized rows (64-byte aligned), then per-row group sums and scales (float32)."""
-    return -(-m * k // 64) * 64 + 4 * m * (k // GROUP + 1)
+def block_inputs(bits: int) -> int:
+    """Inputs per block in the format of `bits`-bit codes (4 or 8)."""
+    if bits not in (4, 8):
+        raise ValueError(f"the w4a8 kernel's blocks hold 4- or 8-bit codes, not {bits}-bit")
+    return GROUP if bits == 4 else BYTE_GROUP
+
+
+def scratch_bytes(m: int, k: int, bits: int = 4) -> int:
+    """Quantized rows (64-byte aligned), then per row and block its activation scale and that
+    scale times the block's activation sum (float32)."""
+    return -(-m * k // 64) * 64 + 8 * m * (k // block_inputs(bits))
 
 
 def pack(packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
     """The int4 format (packed uint8 (N, K/2), scales and mins (N, K/32)) -> the kernel's blocks,
     uint8 (ceil(N/16) * K/32 * 320,)."""
-    codes = unpack_int4(packed)  # (N, K)
-    n, k = codes.shape
-    groups = k // GROUP
-    pad = -n % TILE
-    codes = torch.nn.functional.pad(codes, (0, 0, 0, pad))  # (Np, K)
-    scales16 = torch.nn.functional.pad(scales.to(torch.float16), (0, 0, 0, pad))  # (Np, G)
-    mins16 = torch.nn.functional.pad(mins.to(torch.float16), (0, 0, 0, pad))
-    tiles = codes.shape[0] // TILE
+    codes = _pad_outputs(unpack_int4(packed))  # (Np, K)
+    tiles, groups = codes.shape[0] // TILE, codes.shape[1] // GROUP
     c = codes.reshape(tiles, TILE, groups, 2, 4, 4)  # (tile, n, g, half, p, t): input = 16 half + 4p + t
     c = c.permute(0, 2, 4, 1, 5, 3)  # (tile, g, p, n, t, half)
     vectors = (c[..., 0] | (c[..., 1] << 4)).reshape(tiles, groups, 256)  # low nibble: first half
-    s = scales16.reshape(tiles, TILE, groups).transpose(1, 2).contiguous().view(torch.uint8)  # (tile, g, 32)
-    mn = mins16.reshape(tiles, TILE, groups).transpose(1, 2).contiguous().view(torch.uint8)
-    return torch.cat((vectors, s, mn), dim=-1).reshape(-1).contiguous()  # (tiles * G * 320,)
+    return _with_steps(vectors, scales, mins)
 
 
 def unpack(blocks: torch.Tensor, out_features: int, in_features: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -180,51 +197,128 @@ def unpack(blocks: torch.Tensor, out_features: int, in_features: int) -> tuple[t
     vectors = b[..., :256].reshape(tiles, groups, 4, TILE, 4)  # (tile, g, p, n, t)
     c = torch.stack((vectors & 0x0F, vectors >> 4), dim=-1)  # (tile, g, p, n, t, half): input = 16 half + 4p + t
     codes = c.permute(0, 3, 1, 5, 2, 4).reshape(tiles * TILE, in_features)[:out_features]  # (N, K)
-    steps = b[..., 256:].contiguous().view(torch.float16).reshape(tiles, groups, 2, TILE)  # (tile, g, scale|min, n)
-    scales16, mins16 = steps.permute(2, 0, 3, 1).reshape(2, tiles * TILE, groups)[:, :out_features]  # (N, G) each
-    return codes[:, 0::2] | (codes[:, 1::2] << 4), scales16, mins16
+    return (codes[:, 0::2] | (codes[:, 1::2] << 4), *_steps(b, out_features))
 
 
-def w4a8_linear_reference(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
+def pack_bytes(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
+    """8-bit codes (uint8 (N, K), K a multiple of 32) with scales and mins (N, K/16), w = code *
+    scale + min -> the kernel's blocks, uint8 (ceil(N/16) * K/16 * 320,)."""
+    n, k = codes.shape
+    if codes.dtype != torch.uint8 or k % GROUP or scales.shape != (n, k // BYTE_GROUP) or mins.shape != scales.shape:
+        raise ValueError(f"pack_bytes takes uint8 codes (N, K) with K a multiple of {GROUP} and scales and mins "
+                         f"(N, K/{BYTE_GROUP}), got {codes.dtype} {tuple(codes.shape)}, {tuple(scales.shape)}, {tuple(mins.shape)}")
+    codes = _pad_outputs(codes)  # (Np, K)
+    tiles, count = codes.shape[0] // TILE, k // BYTE_GROUP
+    c = codes.reshape(tiles, TILE, count, 4, 4).permute(0, 2, 3, 1, 4)  # (tile, j, p, n, t): input = 16j + 4p + t
+    return _with_steps(c.reshape(tiles, count, 256), scales, mins)
+
+
+def unpack_bytes(blocks: torch.Tensor, out_features: int, in_features: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The kernel's blocks of 8-bit codes -> codes uint8 (N, K) and the fp16 scales and mins (N, K/16)
+    the kernel multiplies by."""
+    count = in_features // BYTE_GROUP
+    tiles = -(-out_features // TILE)
+    b = blocks.reshape(tiles, count, BLOCK_BYTES)  # (tile, j, 320)
+    vectors = b[..., :256].reshape(tiles, count, 4, TILE, 4)  # (tile, j, p, n, t): input = 16j + 4p + t
+    codes = vectors.permute(0, 3, 1, 2, 4).reshape(tiles * TILE, in_features)[:out_features]  # (N, K)
+    return (codes, *_steps(b, out_features))
+
+
+def _pad_outputs(codes: torch.Tensor) -> torch.Tensor:  # (N, K) -> (N rounded up to TILE, K), zeros below
+    return torch.nn.functional.pad(codes, (0, 0, 0, -codes.shape[0] % TILE))
+
+
+def _with_steps(vectors: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
+    """Code vectors (tile, block, 256) and scales, mins (N, blocks) -> the flat blocks: each block's
+    codes, then its 16 scales and 16 mins as fp16 (zero for padded outputs)."""
+    tiles, count = vectors.shape[:2]
+    pad = tiles * TILE - scales.shape[0]
+
+    def fp16_bytes(steps: torch.Tensor) -> torch.Tensor:  # (N, blocks) -> (tile, block, 32)
+        steps = torch.nn.functional.pad(steps.to(torch.float16), (0, 0, 0, pad))  # (Np, blocks)
+        return steps.reshape(tiles, TILE, count).transpose(1, 2).contiguous().view(torch.uint8)
+
+    return torch.cat((vectors, fp16_bytes(scales), fp16_bytes(mins)), dim=-1).reshape(-1).contiguous()  # (tiles * blocks * 320,)
+
+
+def _steps(blocks: torch.Tensor, out_features: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blocks (tile, block, 320) -> their fp16 scales and mins, (N, blocks) each."""
+    tiles, count = blocks.shape[:2]
+    steps = blocks[..., 256:].contiguous().view(torch.float16).reshape(tiles, count, 2, TILE)  # (tile, j, scale|min, n)
+    scales16, mins16 = steps.permute(2, 0, 3, 1).reshape(2, tiles * TILE, count)[:, :out_features]  # (N, blocks) each
+    return scales16, mins16
+
+
+def read_codes(blocks: torch.Tensor, out_features: int, in_features: int, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Either format's blocks -> codes uint8 (N, K) and fp16 scales and mins (N, K / block_inputs(bits))."""
+    if bits == 4:
+        packed, scales16, mins16 = unpack(blocks, out_features, in_features)
+        return unpack_int4(packed), scales16, mins16
+    return unpack_bytes(blocks, out_features, in_features)
+
+
+def dequantize(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
+    """codes (N, K) with a scale and min per block of K / blocks inputs ((N, blocks) each) -> the
+    float32 weight code * scale + min (N, K)."""
+    n, k = codes.shape
+    blocks = codes.float().reshape(n, scales.shape[1], -1)  # (N, blocks, 32 or 16)
+    return (blocks * scales.float()[..., None] + mins.float()[..., None]).reshape(n, k)
+
+
+def quantize_groups(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(M, K) float -> (M, K) float32 holding integers in [-127, 127], and (M, K/32) scales, one per
+    group of 32 inputs of a row (absmax / 127, at least 1e-12 / 127), in the kernel's float32 steps."""
+    m, k = rows.shape
+    groups = rows.float().reshape(m, k // GROUP, GROUP)  # (M, G, 32)
+    scales = groups.abs().amax(dim=-1, keepdim=True).clamp_min(1e-12) / 127.0  # (M, G, 1)
+    return torch.round(groups / scales).clamp_(-127, 127).reshape(m, k), scales.squeeze(-1)
+
+
+def w4a8_linear_reference(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
                           bias: torch.Tensor | None) -> torch.Tensor:
-    """The plain torch meaning of the kernel: exact integer sums per group, in float64 after."""
+    """The plain torch meaning of the kernel: exact integer sums per block, in float64 after. codes
+    (N, K) in 0..15 or 0..255 with scales and mins (N, blocks): blocks of 32 inputs (4-bit) or 16
+    (8-bit), read from the shapes."""
     rows = x.reshape(-1, x.shape[-1]).float()
-    a, row_scales = quantize_rows(rows)  # (M, K) integer-valued, (M, 1)
+    a, group_scales = quantize_groups(rows)  # (M, K) integer-valued, (M, K/32)
     m, k = a.shape
-    codes = unpack_int4(packed).to(torch.int64).reshape(-1, k // GROUP, GROUP)  # (N, G, 32)
-    a = a.to(torch.int64).reshape(m, k // GROUP, GROUP)  # (M, G, 32)
-    sums = torch.einsum("mgk,ngk->mng", a, codes).double()  # (M, N, G) exact
-    group_sums = a.sum(-1).double()  # (M, G)
-    s = scales.to(torch.float16).double()  # (N, G)
-    mn = mins.to(torch.float16).double()
-    y = (sums * s).sum(-1) + group_sums @ mn.t()  # (M, N)
-    y = y * row_scales.double()
+    n, count = scales.shape
+    size = k // count  # inputs per block
+    c = codes.to(torch.int64).reshape(n, count, size)  # (N, B, size)
+    a = a.to(torch.int64).reshape(m, count, size)  # (M, B, size)
+    sums = torch.einsum("mbk,nbk->mnb", a, c).double()  # (M, N, B) exact
+    s = group_scales.double().repeat_interleave(GROUP // size, dim=1)  # (M, B): each block's group scale
+    weighted_sums = a.sum(-1).double() * s  # (M, B)
+    y = (sums * s[:, None, :] * scales.to(torch.float16).double()).sum(-1) + weighted_sums @ mins.to(torch.float16).double().t()  # (M, N)
     if bias is not None:
         y = y + bias.double()
     return y.float().reshape(*x.shape[:-1], -1)
 
 
-def w4a8_prompt_reference(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
+def w4a8_prompt_reference(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
                           bias: torch.Tensor | None) -> torch.Tensor:
-    """The plain torch meaning of the prompt path: weights de-quantized in float32 and rounded to
-    bf16, rows rounded to bf16, their products summed in float64 (the kernel sums in float32)."""
+    """The plain torch meaning of the prompt path (codes, scales, mins as for w4a8_linear_reference):
+    weights de-quantized in float32 and rounded to bf16, rows rounded to bf16, their products summed
+    in float64 (the kernel sums in float32)."""
     rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16).double()  # (M, K)
-    n, k = packed.shape[0], packed.shape[1] * 2
-    codes = unpack_int4(packed).float().reshape(n, k // GROUP, GROUP)  # (N, G, 32)
-    weight = codes * scales.to(torch.float16).float()[..., None] + mins.to(torch.float16).float()[..., None]
-    y = rows @ weight.reshape(n, k).to(torch.bfloat16).double().t()  # (M, N)
+    weight = dequantize(codes, scales.to(torch.float16), mins.to(torch.float16))  # (N, K)
+    y = rows @ weight.to(torch.bfloat16).double().t()  # (M, N)
     if bias is not None:
         y = y + bias.double()
-    return y.float().reshape(*x.shape[:-1], n)
+    return y.float().reshape(*x.shape[:-1], -1)
 
 
 class W4A8Linear(torch.nn.Module):
-    """nn.Linear run by the kernel: int4 weights (the kernel's blocks) x per-row int8 activations,
-    float32 in and out. Members of a `SharedInput` take their columns of one call for all of them."""
+    """nn.Linear run by the kernel: 4- or 8-bit weights (the kernel's blocks of `bits`-bit codes) x
+    int8 activations (a scale per 32 inputs of a row), float32 in and out. Members of a
+    `SharedInput` take their columns of one call for all of them."""
 
     def __init__(self, in_features: int, out_features: int, blocks: torch.Tensor, bias: torch.Tensor | None,
-                 kernel: Kernel, shared: "SharedInput | None" = None, start: int = 0) -> None:
+                 kernel: Kernel, shared: "SharedInput | None" = None, start: int = 0, bits: int = 4) -> None:
         super().__init__()
+        block_inputs(bits)
+        if shared is not None and shared.bits != bits:
+            raise ValueError(f"a {bits}-bit layer cannot share a call of {shared.bits}-bit blocks")
         if in_features % GROUP or (shared is not None and out_features % TILE):
             raise ValueError(f"in_features={in_features} must be a multiple of {GROUP} (and a shared layer's "
                              f"out_features={out_features} of {TILE})")
@@ -232,22 +326,22 @@ class W4A8Linear(torch.nn.Module):
         self.register_buffer("blocks", blocks)  # (tiles * G * 320,) uint8, often memory-mapped
         self.bias = None if bias is None else torch.nn.Parameter(bias.detach().float(), requires_grad=False)
         self.kernel = kernel
-        self.shared, self.start = shared, start
+        self.shared, self.start, self.bits = shared, start, bits
 
     def dense_weight(self) -> torch.Tensor:
         """The (out, in) float32 weight the kernel multiplies by, read back from its blocks."""
-        return dequantize_int4(*unpack(self.blocks, self.out_features, self.in_features), GROUP)
+        return dequantize(*read_codes(self.blocks, self.out_features, self.in_features, self.bits))
 
     def extra_repr(self) -> str:
         fused = f", shares its input from column {self.start}" if self.shared is not None else ""
-        return f"in={self.in_features}, out={self.out_features}, kernel={self.kernel.name}{fused}"
+        return f"in={self.in_features}, out={self.out_features}, bits={self.bits}, kernel={self.kernel.name}{fused}"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., in) -> (..., out) float32
         if self.shared is not None:
             out = self.shared.columns(x, self.start, self.out_features)  # (M, out)
         else:
             rows = x.reshape(-1, self.in_features).float().contiguous()  # (M, in)
-            out = self.kernel.linear(rows, self.blocks, self.out_features, self.bias)  # (M, out)
+            out = self.kernel.linear(rows, self.blocks, self.out_features, self.bias, bits=self.bits)  # (M, out)
         return out.reshape(*x.shape[:-1], self.out_features)
 
 
@@ -257,10 +351,13 @@ class SharedInput:
     cores) and a pass makes ~200 fewer calls. The first member called with an input computes every
     member's output; the others, called with that same tensor, take their columns. Each output
     column is computed exactly as in a call of its own, so fusing changes no number; a member
-    called with another input simply computes the whole call again."""
+    called with another input simply computes the whole call again. All members hold blocks of one
+    format (`bits`)."""
 
-    def __init__(self, blocks: torch.Tensor, out_features: int, bias: torch.Tensor | None, kernel: Kernel, members: int) -> None:
+    def __init__(self, blocks: torch.Tensor, out_features: int, bias: torch.Tensor | None, kernel: Kernel, members: int,
+                 bits: int = 4) -> None:
         self.blocks, self.out_features, self.bias, self.kernel, self.members = blocks, out_features, bias, kernel, members
+        self.bits = bits
         self._input: torch.Tensor | None = None
         self._output: torch.Tensor | None = None  # (M, all members' out_features)
         self._served = 0
@@ -269,7 +366,7 @@ class SharedInput:
         if x is not self._input:
             rows = x.reshape(-1, x.shape[-1]).float().contiguous()  # (M, in)
             self._input, self._served = x, 0
-            self._output = self.kernel.linear(rows, self.blocks, self.out_features, self.bias)
+            self._output = self.kernel.linear(rows, self.blocks, self.out_features, self.bias, bits=self.bits)
         out = self._output[:, start : start + width]  # (M, width), a view: copying the columns out measured ~3 ms of a 16-token pass
         self._served += 1
         if self._served == self.members:  # everyone has theirs: hold no tensors between passes
@@ -292,28 +389,40 @@ class GatedMLP(torch.nn.Module):
 
 
 def fuse(sources: list[torch.nn.Module], kernel: Kernel, blocks: torch.Tensor | None = None) -> list[W4A8Linear]:
-    """Int4Linears that read the same input -> W4A8Linears sharing one kernel call. `blocks`: the
-    members' blocks one after the other (what `fused_blocks` makes, or read back from disk); each
-    member's own blocks are a view into it, so the tile-major layout makes the concatenation the
-    blocks of the stacked weight."""
+    """Linears that read the same input -> W4A8Linears sharing one kernel call. A source is an
+    Int4Linear (4-bit codes), or any module with in_features, out_features, bias and `bits = 8`
+    holding `codes`, `scales` and `mins` as `pack_bytes` takes them; all sources must have one
+    format (ValueError otherwise). `blocks`: the members' blocks one after the other (what
+    `fused_blocks` makes, or read back from disk); each member's own blocks are a view into it, so
+    the tile-major layout makes the concatenation the blocks of the stacked weight."""
+    formats = {source_bits(s) for s in sources}
+    if len(formats) > 1:
+        raise ValueError(f"linears sharing one call must hold one block format, got {sorted(formats)}-bit codes")
+    (bits,) = formats
     if blocks is None:
         blocks = fused_blocks(sources)
     biases = [s.bias for s in sources]
     bias = None if all(b is None for b in biases) else torch.cat(
         [b.float() if b is not None else torch.zeros(s.out_features) for b, s in zip(biases, sources)])
-    shared = SharedInput(blocks, sum(s.out_features for s in sources), bias, kernel, len(sources))
+    shared = SharedInput(blocks, sum(s.out_features for s in sources), bias, kernel, len(sources), bits)
     layers, start, offset = [], 0, 0
     for source in sources:
-        size = block_bytes(source.out_features, source.in_features)
+        size = block_bytes(source.out_features, source.in_features, bits)
         layers.append(W4A8Linear(source.in_features, source.out_features, blocks[offset : offset + size], source.bias,
-                                 kernel, shared if len(sources) > 1 else None, start))
+                                 kernel, shared if len(sources) > 1 else None, start, bits))
         start, offset = start + source.out_features, offset + size
     return layers
 
 
+def source_bits(source: torch.nn.Module) -> int:
+    """The block format a source of `fuse` packs into: its `bits`, else 4 (an Int4Linear)."""
+    return getattr(source, "bits", 4)
+
+
 def fused_blocks(sources: list[torch.nn.Module]) -> torch.Tensor:
-    return torch.cat([pack(s.packed, s.scales, s.mins) for s in sources])
+    return torch.cat([pack(s.packed, s.scales, s.mins) if source_bits(s) == 4 else pack_bytes(s.codes, s.scales, s.mins)
+                      for s in sources])
 
 
-def block_bytes(out_features: int, in_features: int) -> int:
-    return -(-out_features // TILE) * (in_features // GROUP) * BLOCK_BYTES
+def block_bytes(out_features: int, in_features: int, bits: int = 4) -> int:
+    return -(-out_features // TILE) * (in_features // block_inputs(bits)) * BLOCK_BYTES
