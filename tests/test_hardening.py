@@ -242,7 +242,7 @@ def test_every_out_of_memory_form_is_one():
     assert not is_out_of_memory(RuntimeError("size mismatch for lm_head.weight"))
 
 
-def test_a_cache_that_failed_to_load_for_lack_of_memory_is_kept(monkeypatch, tmp_path):
+def test_a_download_that_failed_to_load_for_lack_of_memory_is_kept(monkeypatch, tmp_path):
     import transformers
 
     cache = tmp_path / "float32"
@@ -256,7 +256,7 @@ def test_a_cache_that_failed_to_load_for_lack_of_memory_is_kept(monkeypatch, tmp
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_memory)
     entry = load_registry().get("smollm2-135m")
     with pytest.raises(LocalspecError, match="not enough memory to load smollm2-135m"):
-        converted._load_cache(entry, cache, torch.float32, progress=False)
+        converted.load_snapshot(entry, cache, torch.float32)
     assert (cache / "complete").is_file()
 
 

@@ -309,17 +309,16 @@ def test_auto_takes_w4a8_for_a_4bit_model_on_a_cpu_that_builds_it():
 
 @pytest.mark.real_model
 @needs_kernel
-def test_w4a8_runs_the_int4_cache_from_stored_blocks_and_speculation_reproduces_its_greedy_output():
+def test_w4a8_runs_the_gguf_from_stored_blocks_and_speculation_reproduces_its_greedy_output():
     import localspec.store.loading as loading
-    from localspec.store.quantized import _quant_dir
+    from localspec.store.paths import gguf_cache
     from localspec.store.registry import load_registry
 
     entry = load_registry().get("smollm2-135m")
     loaded = loading.load_model(entry, torch.bfloat16, quant="w4a8", progress=False)
     assert loaded.quant == "w4a8" and loaded.dtype == torch.float32
-    folder = _quant_dir(entry, "int4")
-    blocks_file = folder / quantization.W4A8_LAYOUT
-    assert blocks_file.is_file(), "the kernel's blocks are stored beside the int4 weights"
+    (blocks_file,) = gguf_cache(entry).glob(quantization.W4A8_LAYOUT.replace(".pt", "-*.pt"))
+    assert blocks_file in loaded.cache_files, "the kernel's blocks are stored beside the GGUF's header"
     layers = [m for m in loaded.model.modules() if isinstance(m, cpu_w4a8.W4A8Linear)]
     assert len(layers) == 30 * 7 + 1  # every projection and the output layer
     assert sum(isinstance(m, cpu_w4a8.GatedMLP) for m in loaded.model.modules()) == 30
@@ -329,6 +328,7 @@ def test_w4a8_runs_the_int4_cache_from_stored_blocks_and_speculation_reproduces_
     with torch.no_grad():
         logits = loaded.model(torch.tensor([ids])).logits
     again = loading.load_model(entry, torch.bfloat16, quant="w4a8", progress=False)
+    assert not again.cold
     use_exact_attention(again.model)  # as the engine left the first one
     with torch.no_grad():
         assert torch.equal(again.model(torch.tensor([ids])).logits, logits)

@@ -26,6 +26,8 @@ PROPOSER_HELP = "; ".join(f"{kind.name}: {kind.about}" for kind in proposer_cata
 def _add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="registry name, or the path of your own .gguf file (registered on first "
                    "use; default: the registry's default model)")
+    p.add_argument("--draft", default=None, help="the draft model to pair with: a registry name or your own .gguf "
+                   "(saved as the target's draft in your models.toml; its tokenizer is checked against the target's)")
     p.add_argument("--name", dest="own_name", default=None, help="with --model PATH: the name to register the file under "
                    "(default: from the file name)")
     p.add_argument("--dtype", default="auto", choices=DTYPES, help="compute dtype (auto: measured on this machine); an explicit one also keeps float weights "
@@ -80,6 +82,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--llama-cpp", default=None, metavar="DIR",
                        help="llama.cpp's bin folder: also run its plain and speculative decoding on the same GGUF "
                        "and prompts, and report the ratios")
+    bench.add_argument("--perplexity", default=None, metavar="TEXT",
+                       help="measure quality instead of speed: perplexity on this text file (llama-perplexity's method) "
+                       "for each --quant format beside the float32 model of the same file, and llama.cpp's with --llama-cpp")
+    bench.add_argument("--context", type=int, default=512, help="--perplexity: tokens per chunk")
+    bench.add_argument("--chunks", type=int, default=4, help="--perplexity: at most this many chunks")
     bench.add_argument("--out", default=None, help="write the JSON report here (default: bench-results/<time>.json)")
 
     sub.add_parser("models", help="list the models localspec knows, which are downloaded, and their pairings")
@@ -256,6 +263,10 @@ def cmd_pair(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    if args.perplexity:
+        from localspec.apps.perplexity import run_perplexity
+
+        return run_perplexity(args, load_registry().get(args.model))
     from localspec.apps.bench import run_bench
 
     return run_bench(args, spec_from(args, "auto"))
@@ -309,6 +320,17 @@ def _register_own_files(args: argparse.Namespace) -> None:
     for attr in ("model", "target"):
         if isinstance(getattr(args, attr, None), str):
             setattr(args, attr, resolve(getattr(args, attr), getattr(args, "own_name", None)))
+    if getattr(args, "draft", None):
+        from localspec.store.registry import save_user_model
+
+        registry = load_registry()
+        target = registry.get(args.model)
+        draft = registry.get(resolve(args.draft)).name
+        if draft == target.name:
+            raise LocalspecError(f"--draft {args.draft}: a model cannot draft for itself")
+        if target.drafts[:1] != (draft,):
+            save_user_model(target.name, {"drafts": [draft, *(d for d in target.drafts if d != draft)]})
+            print(f"localspec: {target.name} now drafts with {draft} (saved in your models.toml)", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import mmap
 import re
 import warnings
 from dataclasses import dataclass
@@ -89,6 +90,7 @@ class GGUFSource:
             header = self._parse(stamps)
             if index is not None:
                 try:
+                    index.parent.mkdir(parents=True, exist_ok=True)
                     write_text_atomic(index, json.dumps(header))
                 except OSError:
                     pass  # a read-only home: the next load parses the header again
@@ -147,9 +149,8 @@ class GGUFSource:
                 values[name] = value
         for key, name in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
                           ("padding_token_id", "pad_token_id")):
-            value = self.field(f"tokenizer.ggml.{key}")
-            if value is not None:
-                values[name] = int(value)
+            value = self.field(f"tokenizer.ggml.{key}")  # what the file does not state stays unset, not transformers' default
+            values[name] = int(value) if value is not None else None
         values["vocab_size"] = int(self.tensors["token_embd.weight"].shape[0])
         values["tie_word_embeddings"] = "output.weight" not in self.tensors
         if "rope_theta" in values:
@@ -174,6 +175,16 @@ class GGUFSource:
         with warnings.catch_warnings():  # read-only by design: nothing here writes to a file's tensor
             warnings.simplefilter("ignore", UserWarning)
             return torch.from_numpy(data)
+
+    def release_pages(self) -> None:
+        """Drop the file's pages read so far from this process's memory (they stay in the page
+        cache; a later read faults them in again): once the weights are laid out, only the rows an
+        embedding lookup reads are needed, and a model resident twice would cost the file's size."""
+        for mapped in self._maps.values():
+            try:
+                mapped._mmap.madvise(mmap.MADV_DONTNEED)
+            except (AttributeError, OSError, ValueError):
+                pass  # no madvise here: the pages stay until the kernel wants them
 
     def dense(self, name: str) -> torch.Tensor:
         """The tensor de-quantized by the gguf package (float32), in transformers' shape."""
@@ -206,15 +217,18 @@ class GGUFEmbedding(torch.nn.Module):
         self.num_embeddings, self.embedding_dim, self.dtype = raw.shape[0], embedding_dim, dtype
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # (...) -> (..., H)
+        values = self._rows(ids.reshape(-1).cpu())  # (T, H) float32
+        return values.reshape(*ids.shape, self.embedding_dim).to(device=ids.device, dtype=self.dtype)
+
+    def _rows(self, ids: torch.Tensor) -> torch.Tensor:
         from gguf.quants import dequantize
 
-        rows = self.raw[ids.reshape(-1).cpu()].numpy()  # (T, bytes per row)
-        values = torch.from_numpy(dequantize(rows, self.qtype).astype(np.float32, copy=False))  # (T, H)
-        return values.reshape(*ids.shape, self.embedding_dim).to(device=ids.device, dtype=self.dtype)
+        raw = self.raw[ids].numpy()  # (T, bytes per row)
+        return torch.from_numpy(dequantize(raw, self.qtype).astype(np.float32, copy=False))
 
     def dense_weight(self) -> torch.Tensor:
         """The whole (V, H) table in float32 (a new tensor)."""
-        return self.forward(torch.arange(self.num_embeddings))
+        return self._rows(torch.arange(self.num_embeddings))
 
     @property
     def weight(self) -> torch.Tensor:
@@ -293,6 +307,7 @@ def build_model(source: GGUFSource, quant: str, dtype: torch.dtype, blocks_file:
     if still_meta:
         raise LocalspecError(f"{_shown(source.paths[0])} left {len(still_meta)} tensors unfilled, first {still_meta[0]}")
     model.generation_config = GenerationConfig.from_model_config(config)
+    source.release_pages()
     return model.eval().requires_grad_(False)
 
 
