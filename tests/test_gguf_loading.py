@@ -231,3 +231,17 @@ def test_the_default_models_file_loads_as_its_own_numbers_in_little_more_than_it
             module = model.model.layers[i].get_submodule(hf)
             assert module.bits == (8 if source.qtype(name) == Q.Q6_K else 4)
             assert torch.equal(dense_weight(module), decode(source.raw(name), source.qtype(name)).dequantize())
+
+
+def test_a_tensor_laid_out_in_row_ranges_gets_the_same_blocks_as_in_one_piece(tmp_path, monkeypatch):
+    from localspec.store import gguf_model
+
+    path = write_gguf(tiny_gguf_model("llama"), tmp_path / "mixed.gguf", MIXED)
+    whole = build_model(GGUFSource(path), "w4a8", torch.float32, None)
+    monkeypatch.setattr(gguf_model, "PACK_ROWS", 16)  # 256-row tensors in 16 pieces, q/k rows permuted across them
+    pieces = build_model(GGUFSource(path), "w4a8", torch.float32, None)
+    ids = torch.tensor([PROMPT_IDS])
+    with torch.no_grad():
+        assert torch.equal(pieces(ids).logits, whole(ids).logits)
+    layer = pieces.model.layers[1].self_attn.q_proj
+    assert torch.equal(layer.blocks, whole.model.layers[1].self_attn.q_proj.blocks)

@@ -114,7 +114,7 @@ def test_unsupported_formats_fail_in_one_line(monkeypatch):
         SpecConfig(quant="int3")
 
 
-def test_auto_format_prefers_w4a8_for_4bit_then_w8a8_on_a_capable_cpu_then_keeps_a_4bit_source_4bit_then_fits_memory(monkeypatch):
+def test_auto_format_keeps_a_ggufs_own_numbers_then_w8a8_on_a_capable_cpu_then_fits_memory(monkeypatch):
     from localspec.store import session
     from localspec.store.registry import load_registry
 
@@ -122,12 +122,13 @@ def test_auto_format_prefers_w4a8_for_4bit_then_w8a8_on_a_capable_cpu_then_keeps
     cpu = torch.device("cpu")
     monkeypatch.setattr(session, "_w4a8_kernel_name", lambda: "AVX2")
     assert session.choose_quant(registry.get("qwen2.5-coder-1.5b"), "auto", cpu)[0] == "w4a8"
-    monkeypatch.setattr(session, "_w4a8_kernel_name", lambda: None)  # no compiler: as before
+    monkeypatch.setattr(session, "_w4a8_kernel_name", lambda: None)  # no compiler: the file's 4-bit tensors as int4
     monkeypatch.setattr(session, "w8a8_supported", lambda: True)
-    assert session.choose_quant(registry.get("qwen2.5-coder-1.5b"), "auto", cpu)[0] == "w8a8"
-    monkeypatch.setattr(session, "w8a8_supported", lambda: False)
-    assert session.choose_quant(registry.get("qwen2.5-coder-1.5b"), "auto", cpu)[0] == "int4"  # Q4_K_M mirror
+    assert session.choose_quant(registry.get("qwen2.5-coder-1.5b"), "auto", cpu)[0] == "int4"
+    monkeypatch.setattr(session.torch.cuda, "mem_get_info", lambda: (64e9, 80e9))
+    assert session.choose_quant(registry.get("qwen2.5-coder-1.5b"), "auto", torch.device("cuda"))[0] == "int4"
     assert session.choose_quant(registry.get("qwen2.5-coder-1.5b"), "none", cpu) == ("none", "--quant none")
+    monkeypatch.setattr(session, "w8a8_supported", lambda: False)
     big = next(e for e in registry.models.values() if e.mirror is None and e.params >= 7)
 
     class Memory:

@@ -176,15 +176,19 @@ class GGUFSource:
             warnings.simplefilter("ignore", UserWarning)
             return torch.from_numpy(data)
 
-    def release_pages(self) -> None:
-        """Drop the file's pages read so far from this process's memory (they stay in the page
-        cache; a later read faults them in again): once the weights are laid out, only the rows an
-        embedding lookup reads are needed, and a model resident twice would cost the file's size."""
-        for mapped in self._maps.values():
-            try:
-                mapped._mmap.madvise(mmap.MADV_DONTNEED)
-            except (AttributeError, OSError, ValueError):
-                pass  # no madvise here: the pages stay until the kernel wants them
+    def release(self, name: str | None = None) -> None:
+        """Drop the pages of a tensor (None: of every file) from this process's memory; they stay
+        in the page cache and a later read faults them in again. A tensor laid out into the
+        kernel's blocks is not read again, and keeping its pages would hold the model twice."""
+        infos = [self.tensors[name]] if name is not None else []
+        for part, mapped in self._maps.items():
+            spans = [(i.offset, i.nbytes) for i in infos if i.part == part] if name is not None else [(0, len(mapped))]
+            for offset, nbytes in spans:
+                start = offset // mmap.PAGESIZE * mmap.PAGESIZE
+                try:
+                    mapped._mmap.madvise(mmap.MADV_DONTNEED, start, offset + nbytes - start)
+                except (AttributeError, OSError, ValueError):
+                    pass  # no madvise here: the pages stay until the kernel wants them
 
     def dense(self, name: str) -> torch.Tensor:
         """The tensor de-quantized by the gguf package (float32), in transformers' shape."""
@@ -282,7 +286,7 @@ def build_model(source: GGUFSource, quant: str, dtype: torch.dtype, blocks_file:
             if streamed == "w4a8" and bits is not None:
                 blocks[module_name] = quantization.BlockSource(
                     module.in_features, module.out_features, bits, bias,
-                    lambda w=weight_name, r=rows: quantization.pack_affine(*_affine(source, w, r), source_bits(source, w)))
+                    lambda w=weight_name, r=rows: _pack(source, w, r))
             elif streamed == "int4" and bits == 4:
                 quantization.replace_module(model, module_name, _int4_linear(_affine(source, weight_name, rows), bias, float_dtype))
             else:
@@ -307,7 +311,7 @@ def build_model(source: GGUFSource, quant: str, dtype: torch.dtype, blocks_file:
     if still_meta:
         raise LocalspecError(f"{_shown(source.paths[0])} left {len(still_meta)} tensors unfilled, first {still_meta[0]}")
     model.generation_config = GenerationConfig.from_model_config(config)
-    source.release_pages()
+    source.release()
     return model.eval().requires_grad_(False)
 
 
@@ -346,6 +350,30 @@ def _assign(module: torch.nn.Module, name: str, value: torch.Tensor) -> None:
 
 def source_bits(source: GGUFSource, name: str) -> int:
     return 4 if source.qtype(name) in FOUR_BIT else 8
+
+
+PACK_ROWS = 2048
+"""Rows decoded and packed at a time (a multiple of the kernel's tile): a large tensor's decoded
+codes and the decoder's temporaries would otherwise cost several times its blocks."""
+
+
+def _pack(source: GGUFSource, name: str, rows: torch.Tensor | None) -> torch.Tensor:
+    """A tensor's kernel blocks, laid out PACK_ROWS outputs at a time into one buffer (the
+    tile-major layout makes the blocks of consecutive row ranges consecutive), then its file pages dropped."""
+    from localspec.kernels import cpu_w4a8
+
+    raw, bits = source.raw(name), source_bits(source, name)
+    n = raw.shape[0]
+    k = source.tensors[name].shape[-1]
+    out = torch.empty(cpu_w4a8.block_bytes(n, k, bits), dtype=torch.uint8)  # (blocks,)
+    for start in range(0, n, PACK_ROWS):
+        picked = torch.arange(start, min(n, start + PACK_ROWS)) if rows is None else rows[start : start + PACK_ROWS]
+        affine = decode(raw[picked], source.qtype(name))
+        blocks = quantization.pack_affine(affine.codes, affine.scales, affine.mins, bits)
+        offset = cpu_w4a8.block_bytes(start, k, bits)
+        out[offset : offset + blocks.numel()] = blocks
+    source.release(name)
+    return out
 
 
 def _affine(source: GGUFSource, name: str, rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

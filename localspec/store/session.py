@@ -202,7 +202,8 @@ def choose_quant(entry: ModelEntry, wanted: str, device: torch.device, dtype: st
     """The target's weight format and why: as asked; else an explicit --dtype keeps its float
     weights (the model the user asked for), quantized only when they do not fit in memory; else,
     for a GGUF, the file's own numbers: w4a8 on a CPU that builds its kernel (its verify passes
-    stay cheap as they widen), else int4; for a hub download, w8a8 on a CPU that multiplies int8
+    stay cheap as they widen), else int4 (on MPS, which has no int4 kernel, 16-bit where it
+    fits); for a hub download, w8a8 on a CPU that multiplies int8
     exactly (VNNI/AMX) when it fits; else the least quantization that fits in memory (on MPS
     16-bit where it fits: int4 runs its de-quantizing reference there)."""
     if wanted != "auto":
@@ -214,7 +215,7 @@ def choose_quant(entry: ModelEntry, wanted: str, device: torch.device, dtype: st
     if from_gguf and device.type == "cpu" and (kernel := _w4a8_kernel_name()):
         return "w4a8", (f"the file's own 4- and 8-bit weights, multiplied with int8 activations by localspec's {kernel} "
                         "kernel: a verify pass of a few tokens costs about what one token does")
-    if from_gguf:
+    if from_gguf and device.type != "mps":  # MPS has no int4 kernel: 16-bit where it fits, below
         return "int4", "the file's own 4-bit weights (its wider ones in bf16): nothing re-quantized"
     if device.type == "cpu" and w8a8_supported() and 1.6 * entry.params * 1e9 < free:
         return "w8a8", ("this CPU multiplies int8 exactly (VNNI), so a 16-token verify pass costs about 2x "
