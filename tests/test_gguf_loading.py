@@ -200,8 +200,13 @@ def test_own_file_is_registered_once_runs_by_name_and_rm_never_touches_it(tmp_pa
         own_models.resolve(str(folder / "missing.gguf"))
     header = Path(os.environ["LOCALSPEC_HOME"]) / "converted" / f"{name}-file" / "gguf" / "header.json"
     assert header.is_file()
+    from localspec.store.registry import save_user_model
+
+    save_user_model("qwen2.5-coder-1.5b", {"drafts": [name]})  # what --draft PATH writes
     hub.rm(entry)
     assert not header.exists() and _digest(path) == before, "rm removes localspec's copies, never the file"
+    registry = load_registry()
+    assert name not in registry.models and name not in registry.get("qwen2.5-coder-1.5b").drafts
 
 
 def test_a_path_that_is_not_utf8_is_one_clean_line(tmp_path, monkeypatch):

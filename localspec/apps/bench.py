@@ -27,11 +27,10 @@ from localspec.core.prompt import chat_text
 from localspec.core.stats import GenerationStats
 from localspec.runtime.costs import CALIBRATION_PREFIX, time_forward
 from localspec.store import proposer_catalog
-from localspec.store.gguf_mirror import ensure_gguf
 from localspec.store.proposer_catalog import rank_proposers
 from localspec.store.registry import load_registry
 from localspec.store.session import describe_weights, draft_entry_for, load_models, make_engine
-from localspec.store.tokenizers import load_tokenizer
+from localspec.store.tokenizers import gguf_file, load_tokenizer
 
 HF_MODES = ("hf-plain", "hf-assisted", "hf-prompt-lookup")
 PASS_WIDTHS = (1, 16)  # the pass costs set beside llama-bench's
@@ -279,17 +278,17 @@ def long_prompt(tokenizer, tokens: int = LONG_PROMPT_TOKENS) -> str:
 
 def prepare_llama_cpp(folder: str, entry, registry, prompts: list[dict]) -> LlamaCppSide:
     tools = LlamaCpp.at(folder, torch.get_num_threads())
-    if entry.mirror is None:
+    if entry.mirror is None and entry.gguf is None:
         raise LocalspecError(f"--llama-cpp runs llama.cpp on the model's GGUF file, and {entry.name} has none")
     draft = draft_entry_for(registry, entry) if entry.drafts else None
     # the registered draft is llama.cpp's draft too, whichever localspec proposers were asked for
-    draft_gguf = ensure_gguf(draft) if draft is not None and draft.mirror is not None else None
+    draft_gguf = gguf_file(draft) if draft is not None and (draft.mirror or draft.gguf) else None
     tokenizer = load_tokenizer(entry)
     long = long_prompt(tokenizer)
     texts = [chat_text(tokenizer, p["prompt"]) for p in prompts]
     templated = bool(getattr(tokenizer, "chat_template", None))
     counts = [len(tokenizer.encode(t, add_special_tokens=False)) if templated else None for t in texts]
-    return LlamaCppSide(tools, ensure_gguf(entry), draft_gguf, texts, counts, long, chat_text(tokenizer, long))
+    return LlamaCppSide(tools, gguf_file(entry), draft_gguf, texts, counts, long, chat_text(tokenizer, long))
 
 
 def bench_llama_cpp(side: LlamaCppSide, entry, prompts: list[dict], max_new: int, results: dict[str, list[dict]],

@@ -38,7 +38,7 @@ from localspec.base.config import home_dir
 from localspec.base.errors import LocalspecError, first_line
 from localspec.base.files import inside, size_on_disk
 from localspec.store import gguf_mirror, paths
-from localspec.store.registry import ModelEntry, is_sha256
+from localspec.store.registry import ModelEntry, is_sha256, remove_user_model
 
 DISK_MARGIN = 1 << 30
 """Free space to leave on the disk after a download: a full disk breaks more than localspec."""
@@ -71,6 +71,10 @@ def _redacted(text: str) -> str:
 
 def pull(entry: ModelEntry, *, offline: bool = False, progress: bool = True) -> Pulled:
     """Download the model (hub first, mirror when the hub is out of reach); a no-op once done."""
+    if entry.gguf is not None:
+        if not entry.gguf.is_file():
+            raise LocalspecError(f"{entry.name} is your file {entry.gguf}, which is no longer there")
+        return Pulled("your file", entry.gguf)
     snapshot = paths.hub_snapshot(entry)
     if snapshot is not None:
         return Pulled("already downloaded", snapshot)
@@ -196,9 +200,12 @@ def disk_size(entry: ModelEntry) -> int:
 
 
 def rm(entry: ModelEntry) -> int:
-    """Delete everything localspec keeps for this model; returns the bytes freed."""
+    """Delete everything localspec keeps for this model; returns the bytes freed. For the user's
+    own file: only what localspec made from it, and its registration (the file stays)."""
     found = paths.local_paths(entry)
-    if not found:
+    if entry.gguf is not None:
+        remove_user_model(entry.name)
+    if not found and entry.gguf is None:
         raise LocalspecError(f"{entry.name} is not downloaded; nothing to remove")
     # the last guard before deleting: a name that slipped past the registry's check must not
     # reach above the model folders (`..` would be the whole home)

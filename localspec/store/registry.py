@@ -379,3 +379,23 @@ def save_user_model(name: str, body: dict) -> None:
     except OSError as exc:
         raise LocalspecError(f"could not save model {name!r} to {path}: {exc}") from exc
     load_registry()
+
+
+def remove_user_model(name: str) -> None:
+    """Take a model out of the user's registry overlay (under its lock), and out of the drafts and
+    pairings of the others there, which would otherwise name a model that is not listed."""
+    path = user_registry_path()
+    try:
+        with locked(path):
+            data = read_user_registry()
+            models = data.get("models", {})
+            if models.pop(name, None) is None:
+                return
+            for body in models.values():
+                if name in body.get("drafts", ()):
+                    body["drafts"] = [d for d in body["drafts"] if d != name]
+                if body.get("paired", {}).get("draft") == name:
+                    del body["paired"]
+            write_text_atomic(path, to_toml(data))
+    except OSError as exc:
+        raise LocalspecError(f"could not update {path}: {exc}") from exc

@@ -302,12 +302,17 @@ def describe_weights(loaded: LoadedModel) -> str:
 
 def load_draft(entry: ModelEntry, dtype: torch.dtype, device: torch.device, spec: SpecConfig, quiet: bool) -> LoadedModel:
     """The draft as asked (--draft-quant), or with auto the format whose measured step is fastest
-    on this machine (decided once, then remembered). Only the guesses change, never the output."""
+    on this machine (decided once, then remembered). Only the guesses change, never the output.
+    A GGUF draft runs as its target does, in the format streamed from its file (w4a8 where the
+    kernel builds, else int4): the others would hold a float copy of it first, which is what the
+    first run's memory cannot afford."""
     if spec.draft_quant != "auto":
         quant = spec.draft_quant
     elif device.type != "cpu":
         quant = "none"
     else:
+        if hub_snapshot(entry) is None and (entry.gguf is not None or entry.mirror is not None):
+            return load_model(entry, dtype, quant=choose_quant(entry, "auto", device)[0], device=device, progress=not quiet)
         candidates = ("none", "int8", "int4", "w8a8", "w4a8")
         key = draft_format_key(entry.name, dtype, candidates)
         quant = load_calibration(key).get("quant")
