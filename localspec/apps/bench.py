@@ -164,11 +164,16 @@ def run_bench(args, spec: SpecConfig) -> int:
     print_table(report)
     if side:
         print_llama_cpp(report)
-    out = Path(args.out) if args.out else Path("bench-results") / f"bench-{entry.name}-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1))
-    print(f"localspec: wrote {out}", file=sys.stderr)
+    write_report(report, args.out, f"bench-{entry.name}")
     return 0
+
+
+def write_report(report: dict, out: str | None, stem: str) -> None:
+    """The JSON report at --out, else bench-results/<stem>-<time>.json."""
+    path = Path(out) if out else Path("bench-results") / f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=1))
+    print(f"localspec: wrote {path}", file=sys.stderr)
 
 
 def bench_weights(args, entry, registry, prompts, wanted, spec: SpecConfig, label: str,

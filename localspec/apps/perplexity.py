@@ -15,7 +15,6 @@ The passes run outside `prompt_pass`: these are the numbers decoding and verific
 
 from __future__ import annotations
 
-import json
 import re
 import sys
 import time
@@ -150,8 +149,7 @@ def run_perplexity(args, entry: ModelEntry) -> int:
     report = perplexity_report(entry, Path(args.perplexity), quants, args.context, args.chunks, args.llama_cpp,
                                torch.get_num_threads())
     print_report(report)
-    out = Path(args.out) if args.out else Path("bench-results") / f"perplexity-{entry.name}-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1))
-    print(f"localspec: wrote {out}", file=sys.stderr)
+    from localspec.apps.bench import write_report
+
+    write_report(report, args.out, f"perplexity-{entry.name}")
     return 0
