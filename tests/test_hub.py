@@ -59,8 +59,8 @@ class FakeHub:
 
             def _answer(self, body: bool):
                 fake.requests.append((self.command, self.path, self.headers.get("Range")))
-                prefix = f"/{REPO}/resolve/{COMMIT}/"
-                name = self.path[len(prefix):] if self.path.startswith(prefix) else None
+                prefixes = [f"/{REPO}/resolve/{revision}/" for revision in (COMMIT, "main")]  # main: what the hub serves now
+                name = next((self.path[len(p):] for p in prefixes if self.path.startswith(p)), None)
                 if fake.status != 200 or name not in fake.files:
                     self.send_response(fake.status if fake.status != 200 else 404)
                     self.send_header("Content-Length", "0")
@@ -286,3 +286,29 @@ def test_cli_errors_are_one_line(argv, message, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("localspec: error:") and message in err and "\n" not in err
+
+
+def test_a_hub_gguf_is_fetched_at_a_pinned_revision_checked_registered_and_removed_with_its_download(monkeypatch, home, tmp_path):
+    from gguf_files import tiny_gguf_model, write_gguf
+
+    from localspec.store import own_models
+    from localspec.store.registry import load_registry
+
+    data = write_gguf(tiny_gguf_model("qwen2", hidden=64), tmp_path / "tiny.gguf").read_bytes()
+    with serve(monkeypatch, FakeHub({"tiny-q8.gguf": data})):
+        name = own_models.resolve(f"{REPO}/tiny-q8.gguf")
+        assert own_models.resolve(f"{REPO}/tiny-q8.gguf") == name, "fetched and registered once"
+    entry = load_registry().get(name)
+    assert entry.revision == COMMIT and entry.hub_repo == REPO and entry.gguf.read_bytes() == data
+    assert entry.gguf.is_relative_to(home / "models" / name)
+    hub.rm(entry)
+    assert not entry.gguf.exists() and name not in load_registry().models
+    with serve(monkeypatch, FakeHub({"tiny-q8.gguf": data}, etags={"tiny-q8.gguf": "0" * 64})):
+        with pytest.raises(LocalspecError, match="does not match its sha256"):
+            own_models.resolve(f"{REPO}/tiny-q8.gguf")
+    with serve(monkeypatch, FakeHub({})):
+        with pytest.raises(LocalspecError) as caught:
+            own_models.resolve(f"{REPO}/missing.gguf")
+    assert "\n" not in str(caught.value)
+    with pytest.raises(LocalspecError, match="name the file of the quantization"):
+        own_models.resolve(f"{REPO}:Q4_K_M")

@@ -14,6 +14,7 @@ mode (--offline or HF_HUB_OFFLINE=1) reaches no network at all: only files alrea
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import sys
@@ -102,6 +103,26 @@ def pull(entry: ModelEntry, *, offline: bool = False, progress: bool = True) -> 
 
 class _Unreachable(Exception):
     pass
+
+
+def fetch_gguf(name: str, repo: str, file: str, *, progress: bool = True) -> tuple[Path, str]:
+    """One GGUF file of a hub repository, for `--model org/repo/file.gguf`: the revision the hub
+    serves now is pinned (asked for first), the file fetched into models/<name>/hub/ (resumable,
+    checked against the hub's sha256); returns its path and that revision."""
+    probe = ModelEntry(name=name, display=name, arch="", hub_repo=repo, revision="main", files=(file,), sha256={},
+                       params=0.0, size=0, kv_per_token=0, drafts=(), eagle_heads=(), mirror=None)
+    url = hf_hub_url(repo, file, revision="main", endpoint=endpoint())
+    try:
+        revision = get_hf_file_metadata(url, endpoint=endpoint()).commit_hash
+    except _UNREACHABLE as exc:
+        raise LocalspecError(f"the Hugging Face Hub at {shown_endpoint()} cannot be reached ({_redacted(first_line(exc))}); "
+                             f"download {repo}/{file} yourself and pass its path") from None
+    except (HfHubHTTPError, FileMetadataError) as exc:
+        raise _hub_error(probe, file, exc) from None
+    if not revision:
+        raise LocalspecError(f"the hub at {shown_endpoint()} did not say which revision of {repo} it serves")
+    pinned = dataclasses.replace(probe, revision=revision)
+    return pull(pinned, progress=progress).path / file, revision
 
 
 def _remote_files(entry: ModelEntry) -> tuple[dict[str, int], dict[str, str]]:

@@ -18,17 +18,29 @@ from localspec.store.paths import own_file_root
 from localspec.store.registry import load_registry, save_user_model
 
 
+_HUB_FILE = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)/(?P<file>[\w./-]+\.gguf)$")
+_HUB_QUANT = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+:[\w.-]+$")
+
+
 def is_path(reference: str) -> bool:
     """Whether a --model value names a file rather than a registry entry."""
     return reference.lower().endswith(".gguf") or os.sep in reference or reference.startswith(".")
 
 
 def resolve(reference: str | None, name: str | None = None) -> str | None:
-    """The registry name for a --model / --draft value: a registered name as it is, a GGUF path
-    registered (once) and its entry's name."""
-    if reference is None or not is_path(reference):
+    """The registry name for a --model / --draft value: a registered name as it is; a GGUF path,
+    or a hub file `org/repo/file.gguf` (fetched once), registered (once) and its entry's name."""
+    if reference is None:
+        return None
+    local = Path(os.path.expanduser(reference))
+    if _HUB_QUANT.match(reference):
+        raise LocalspecError(f"{reference}: name the file of the quantization you want, as org/repo/file.gguf "
+                             "(the repository's file list is on its hub page)")
+    if (match := _HUB_FILE.match(reference)) and not local.exists() and not reference.startswith((".", "/", "~")):
+        return _register_hub_file(match["repo"], match["file"], name)
+    if not is_path(reference):
         return reference
-    path = Path(os.path.abspath(os.path.expanduser(reference)))
+    path = Path(os.path.abspath(local))
     shown = str(path).encode("utf-8", "backslashreplace").decode("utf-8")
     if path.is_dir():
         raise LocalspecError(f"{shown} is a folder; localspec reads a model from its .gguf file (pass the file)")
@@ -53,6 +65,24 @@ def resolve(reference: str | None, name: str | None = None) -> str | None:
     return name
 
 
+def _register_hub_file(repo: str, file: str, name: str | None) -> str:
+    registry = load_registry()
+    for entry in registry.models.values():
+        if entry.gguf is not None and entry.hub_repo == repo and entry.gguf.name == Path(file).name \
+                and (name is None or name == entry.name) and entry.gguf.is_file():
+            return entry.name
+    name = check_name(name, "--name") if name is not None else derived_name(Path(file))
+    if name in registry.models:
+        raise LocalspecError(f"{name!r} is already a model of the registry; choose another with --name")
+    from localspec.store.gguf_model import GGUFSource
+    from localspec.store.hub import fetch_gguf
+
+    path, revision = fetch_gguf(name, repo, file)
+    source = GGUFSource(path, own_file_root(name) / "gguf" / "header.json")
+    save_user_model(name, {**entry_body(source, str(path), f"from {repo}"), "hub_repo": repo, "revision": revision})
+    return name
+
+
 def derived_name(path: Path) -> str:
     """A registry name from a file name: lower case, runs of other characters as '-', the split
     set's part suffix dropped ("Qwen2.5-7B-Instruct-Q4_K_M-00001-of-00002.gguf" -> "qwen2.5-7b-instruct-q4_k_m")."""
@@ -61,7 +91,7 @@ def derived_name(path: Path) -> str:
     return check_name(re.sub(r"\.{2,}", ".", name), "a name made from the file name")
 
 
-def entry_body(source, path: str) -> dict:
+def entry_body(source, path: str, whose: str = "your file") -> dict:
     """The registry fields of a GGUF: architecture, size, parameters and cache per token from its header."""
     config = source.config()
     heads = config.num_attention_heads
@@ -75,7 +105,7 @@ def entry_body(source, path: str) -> dict:
     except (TypeError, ValueError):
         kind = "GGUF"
     return {
-        "display": f"{Path(path).name} ({kind}, your file)",
+        "display": f"{Path(path).name} ({kind}, {whose})",
         "arch": source.arch, "gguf": path,
         "params": round(elements / 1e9, 3), "size": source.size,
         "kv_per_token": 2 * config.num_hidden_layers * kv_heads * head_dim,

@@ -89,7 +89,8 @@ def is_downloaded(entry: ModelEntry) -> bool:
 
 def local_paths(entry: ModelEntry) -> list[Path]:
     """Every file or folder localspec keeps for this model (downloads and converted caches)."""
-    own = entry.gguf is not None  # the user's own file is theirs: only localspec's copies of it are listed
+    # the user's own file is theirs: only localspec's copies of it are listed (a hub file it fetched is its own)
+    own = entry.gguf is not None and not entry.gguf.resolve().is_relative_to(model_dir(entry).resolve())
     return [p for p in (() if own else (model_dir(entry),)) + (converted_root(entry),) if p.exists()]
 
 
