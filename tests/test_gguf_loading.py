@@ -221,21 +221,27 @@ def test_a_path_that_is_not_utf8_is_one_clean_line(tmp_path, monkeypatch):
 
 
 @pytest.mark.real_model
-def test_the_default_models_file_loads_as_its_own_numbers_in_little_more_than_its_memory():
-    """Qwen2.5-Coder-1.5B's Q4_K_M: every linear of the w4a8 load is the file's tensor, Q6_K
-    ones in 8-bit blocks (never fewer bits than the file)."""
+def test_a_real_files_every_linear_is_its_own_numbers_never_fewer_bits():
+    """Qwen2.5-Coder-0.5B's Q4_K_M file mixes Q4_K, Q5_0, Q6_K and Q8_0: every linear of its w4a8
+    load is the file's tensor, the 5-8 bit ones in 8-bit blocks."""
     from localspec.store.gguf_mirror import ensure_gguf
     from localspec.store.registry import load_registry
 
-    entry = load_registry().get("qwen2.5-coder-1.5b")
-    source = GGUFSource(ensure_gguf(entry, progress=False))
+    source = GGUFSource(ensure_gguf(load_registry().get("qwen2.5-coder-0.5b"), progress=False))
     model = build_model(source, "w4a8", torch.float32, None)
-    for i in (0, 27):
-        for hf, short in (("self_attn.v_proj", "attn_v"), ("mlp.down_proj", "ffn_down"), ("mlp.up_proj", "ffn_up")):
+    names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+             "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+             "mlp.down_proj": "ffn_down"}
+    seen = set()
+    for i, layer in enumerate(model.model.layers):
+        for hf, short in names.items():
             name = f"blk.{i}.{short}.weight"
-            module = model.model.layers[i].get_submodule(hf)
-            assert module.bits == (8 if source.qtype(name) == Q.Q6_K else 4)
-            assert torch.equal(dense_weight(module), decode(source.raw(name), source.qtype(name)).dequantize())
+            module, qtype = layer.get_submodule(hf), source.qtype(name)
+            assert module.bits == (4 if qtype in FOUR_BIT else 8), name
+            assert torch.equal(dense_weight(module), decode(source.raw(name), qtype).dequantize()), name
+            seen.add(qtype)
+    assert torch.equal(dense_weight(model.lm_head), decode(source.raw("output.weight"), source.qtype("output.weight")).dequantize())
+    assert {Q.Q4_K, Q.Q5_0, Q.Q6_K} <= seen
 
 
 def test_a_tensor_laid_out_in_row_ranges_gets_the_same_blocks_as_in_one_piece(tmp_path, monkeypatch):
