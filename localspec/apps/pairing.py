@@ -16,13 +16,12 @@ from typing import Callable
 from localspec.apps.bench import load_prompts, localspec_answer, machine_info
 from localspec.base.config import SpecConfig
 from localspec.base.errors import LocalspecError
-from localspec.base.files import locked, write_text_atomic
 from localspec.core.policy import best_draft_len
 from localspec.store import hub, loading, paths, proposer_catalog, tokenizers
 from localspec.store.machine import check_eagle_head, check_tokenizers, free_memory
 from localspec.store.measurements import record_generation
 from localspec.store.measurements import pair_key
-from localspec.store.registry import ModelEntry, Registry, fitting_targets, load_registry, read_user_registry, to_toml, user_registry_path
+from localspec.store.registry import ModelEntry, Registry, fitting_targets, load_registry, save_user_model, user_registry_path
 from localspec.store.session import Session, load_models
 
 PAIR_PROMPTS = 3
@@ -163,14 +162,6 @@ def save_pairing(model: str, best: Candidate, speedup: float) -> None:
     }
     if best.draft:
         paired["draft"] = best.draft
-    path = user_registry_path()
-    try:
-        with locked(path):  # a user edit or another `pair` saved meanwhile is kept
-            data = read_user_registry()
-            data.setdefault("models", {}).setdefault(model, {})["paired"] = paired
-            write_text_atomic(path, to_toml(data))
-    except OSError as exc:
-        raise LocalspecError(f"could not save the pairing to {path}: {exc}") from exc
-    load_registry()  # what was written must load: fail here, not at the next `run`
+    save_user_model(model, {"paired": paired})  # a user edit or another `pair` saved meanwhile is kept
 
 

@@ -46,6 +46,11 @@ FOUR_BIT = (Q.Q4_0, Q.Q4_1, Q.Q4_K)
 EIGHT_BIT = (Q.Q5_0, Q.Q5_1, Q.Q5_K, Q.Q6_K, Q.Q8_0)
 
 
+def block_bits(qtype: Q) -> int | None:
+    """The kernel block format a tensor type is laid into (4 or 8), or None: not decoded here."""
+    return 4 if qtype in FOUR_BIT else 8 if qtype in EIGHT_BIT else None
+
+
 def decode(raw: torch.Tensor, qtype: Q) -> Affine | None:
     """raw: (N, bytes per row) uint8 as the file stores the tensor -> its affine form, or None."""
     decoder = _DECODERS.get(qtype)
@@ -56,7 +61,7 @@ def decode(raw: torch.Tensor, qtype: Q) -> Affine | None:
     blocks = raw.reshape(n, -1, block_bytes)  # (N, B, bytes)
     codes, scales, mins = decoder(blocks)  # (N, B, block_size), (N, B, groups per block) x2
     group = block_size // scales.shape[-1]
-    bits = 4 if qtype in FOUR_BIT else 8
+    bits = block_bits(qtype)
     if bits == 8 and group != 16:  # one scale per 32: the 8-bit blocks take groups of 16
         scales, mins, group = scales.repeat_interleave(group // 16, -1), mins.repeat_interleave(group // 16, -1), 16
     return Affine(codes.reshape(n, -1), scales.reshape(n, -1), mins.reshape(n, -1), group, bits)

@@ -38,7 +38,7 @@ import torch
 from localspec.base.errors import LocalspecError, first_line
 from localspec.base.files import write_text_atomic
 from localspec.runtime import quant as quantization
-from localspec.store.gguf_blocks import EIGHT_BIT, FOUR_BIT, decode
+from localspec.store.gguf_blocks import block_bits, decode
 
 if TYPE_CHECKING:
     from gguf import GGMLQuantizationType
@@ -84,10 +84,11 @@ class GGUFSource:
 
     def __init__(self, path: Path, index: Path | None = None) -> None:
         self.paths = gguf_parts(Path(path))
-        stamps = [[p.stat().st_size, p.stat().st_mtime_ns] for p in self.paths]
-        header = _read_index(index, stamps) if index is not None else None
+        self.stamps = [[p.stat().st_size, p.stat().st_mtime_ns] for p in self.paths]
+        """Each file's size and modification time: what the index and the kernel blocks are keyed by."""
+        header = _read_index(index, self.stamps) if index is not None else None
         if header is None:
-            header = self._parse(stamps)
+            header = self._parse(self.stamps)
             if index is not None:
                 try:
                     index.parent.mkdir(parents=True, exist_ok=True)
@@ -131,7 +132,7 @@ class GGUFSource:
 
     @property
     def size(self) -> int:
-        return sum(p.stat().st_size for p in self.paths)
+        return sum(size for size, _ in self.stamps)
 
     def field(self, key: str, default=None):
         return self.fields.get(key, default)
@@ -180,15 +181,17 @@ class GGUFSource:
         """Drop the pages of a tensor (None: of every file) from this process's memory; they stay
         in the page cache and a later read faults them in again. A tensor laid out into the
         kernel's blocks is not read again, and keeping its pages would hold the model twice."""
-        infos = [self.tensors[name]] if name is not None else []
-        for part, mapped in self._maps.items():
-            spans = [(i.offset, i.nbytes) for i in infos if i.part == part] if name is not None else [(0, len(mapped))]
-            for offset, nbytes in spans:
-                start = offset // mmap.PAGESIZE * mmap.PAGESIZE
-                try:
-                    mapped._mmap.madvise(mmap.MADV_DONTNEED, start, offset + nbytes - start)
-                except (AttributeError, OSError, ValueError):
-                    pass  # no madvise here: the pages stay until the kernel wants them
+        if name is None:
+            spans = [(part, 0, len(mapped)) for part, mapped in self._maps.items()]
+        else:
+            info = self.tensors[name]
+            spans = [(info.part, info.offset, info.nbytes)] if info.part in self._maps else []
+        for part, offset, nbytes in spans:
+            start = offset // mmap.PAGESIZE * mmap.PAGESIZE
+            try:
+                self._maps[part]._mmap.madvise(mmap.MADV_DONTNEED, start, offset + nbytes - start)
+            except (AttributeError, OSError, ValueError):
+                pass  # no madvise here: the pages stay until the kernel wants them
 
     def dense(self, name: str) -> torch.Tensor:
         """The tensor de-quantized by the gguf package (float32), in transformers' shape."""
@@ -246,7 +249,7 @@ class GGUFEmbedding(torch.nn.Module):
 def blocks_file(source: GGUFSource, folder: Path) -> Path:
     """Where the w4a8 kernel's blocks of this file are kept: named by the files' sizes and times, so
     a changed file is laid out again (cleanup removes the stale one)."""
-    stamp = hashlib.sha256(json.dumps([[p.stat().st_size, p.stat().st_mtime_ns] for p in source.paths]).encode()).hexdigest()
+    stamp = hashlib.sha256(json.dumps(source.stamps).encode()).hexdigest()
     return folder / quantization.W4A8_LAYOUT.replace(".pt", f"-{stamp[:12]}.pt")
 
 
@@ -282,7 +285,7 @@ def build_model(source: GGUFSource, quant: str, dtype: torch.dtype, blocks_file:
             rows = _row_order(source, config, weight_name, module.out_features)
             bias_name = file_name(module_name, "bias")
             bias = None if bias_name is None else _rows(source.dense(bias_name), rows)
-            bits = 4 if source.qtype(weight_name) in FOUR_BIT else 8 if source.qtype(weight_name) in EIGHT_BIT else None
+            bits = block_bits(source.qtype(weight_name))
             if streamed == "w4a8" and bits is not None:
                 blocks[module_name] = quantization.BlockSource(
                     module.in_features, module.out_features, bits, bias,
@@ -348,10 +351,6 @@ def _assign(module: torch.nn.Module, name: str, value: torch.Tensor) -> None:
     setattr(module, name, torch.nn.Parameter(value.contiguous(), requires_grad=False))
 
 
-def source_bits(source: GGUFSource, name: str) -> int:
-    return 4 if source.qtype(name) in FOUR_BIT else 8
-
-
 PACK_ROWS = 2048
 """Rows decoded and packed at a time (a multiple of the kernel's tile): a large tensor's decoded
 codes and the decoder's temporaries would otherwise cost several times its blocks."""
@@ -362,7 +361,7 @@ def _pack(source: GGUFSource, name: str, rows: torch.Tensor | None) -> torch.Ten
     tile-major layout makes the blocks of consecutive row ranges consecutive), then its file pages dropped."""
     from localspec.kernels import cpu_w4a8
 
-    raw, bits = source.raw(name), source_bits(source, name)
+    raw, bits = source.raw(name), block_bits(source.qtype(name))
     n = raw.shape[0]
     k = source.tensors[name].shape[-1]
     out = torch.empty(cpu_w4a8.block_bytes(n, k, bits), dtype=torch.uint8)  # (blocks,)

@@ -8,6 +8,7 @@ A name that is not a path is returned as it is: the registry resolves it.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from pathlib import Path
@@ -46,8 +47,9 @@ def resolve(reference: str | None, name: str | None = None) -> str | None:
         raise LocalspecError(f"{shown} is a folder; localspec reads a model from its .gguf file (pass the file)")
     if not path.is_file():
         raise LocalspecError(f"no such file: {shown}")
+    text = str(path)
     try:
-        text = str(path).encode("utf-8").decode("utf-8")
+        text.encode("utf-8")  # bytes that are not UTF-8 come back from the OS as lone surrogates
     except UnicodeEncodeError:
         raise LocalspecError(f"{shown}: the path is not valid UTF-8, which the model registry cannot record; "
                              "rename the file or link it from a UTF-8 path") from None
@@ -97,7 +99,7 @@ def entry_body(source, path: str, whose: str = "your file") -> dict:
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    elements = sum(_count(t.shape) for t in source.tensors.values())
+    elements = sum(math.prod(t.shape) for t in source.tensors.values())
     from gguf import LlamaFileType
 
     try:
@@ -110,10 +112,3 @@ def entry_body(source, path: str, whose: str = "your file") -> dict:
         "params": round(elements / 1e9, 3), "size": source.size,
         "kv_per_token": 2 * config.num_hidden_layers * kv_heads * head_dim,
     }
-
-
-def _count(shape) -> int:
-    count = 1
-    for size in shape:
-        count *= int(size)
-    return count

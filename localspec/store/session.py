@@ -198,6 +198,11 @@ def make_engine(
     )
 
 
+def reads_gguf(entry: ModelEntry) -> bool:
+    """Whether the entry loads from a GGUF (the user's own, or the mirror's): no hub download here."""
+    return hub_snapshot(entry) is None and (entry.gguf is not None or entry.mirror is not None)
+
+
 def choose_quant(entry: ModelEntry, wanted: str, device: torch.device, dtype: str = "auto") -> tuple[str, str]:
     """The target's weight format and why: as asked; else an explicit --dtype keeps its float
     weights (the model the user asked for), quantized only when they do not fit in memory; else,
@@ -211,7 +216,7 @@ def choose_quant(entry: ModelEntry, wanted: str, device: torch.device, dtype: st
     free = torch.cuda.mem_get_info()[0] if device.type == "cuda" else psutil.virtual_memory().available
     if dtype != "auto":
         return _fit_in_memory(entry, device, free, DTYPE_NAMES[dtype].itemsize, f"--dtype {dtype}")
-    from_gguf = hub_snapshot(entry) is None and (entry.gguf is not None or entry.mirror is not None)
+    from_gguf = reads_gguf(entry)
     if from_gguf and device.type == "cpu" and (kernel := _w4a8_kernel_name()):
         return "w4a8", (f"the file's own 4- and 8-bit weights, multiplied with int8 activations by localspec's {kernel} "
                         "kernel: a verify pass of a few tokens costs about what one token does")
@@ -310,9 +315,9 @@ def load_draft(entry: ModelEntry, dtype: torch.dtype, device: torch.device, spec
         quant = spec.draft_quant
     elif device.type != "cpu":
         quant = "none"
+    elif reads_gguf(entry):
+        quant = choose_quant(entry, "auto", device)[0]
     else:
-        if hub_snapshot(entry) is None and (entry.gguf is not None or entry.mirror is not None):
-            return load_model(entry, dtype, quant=choose_quant(entry, "auto", device)[0], device=device, progress=not quiet)
         candidates = ("none", "int8", "int4", "w8a8", "w4a8")
         key = draft_format_key(entry.name, dtype, candidates)
         quant = load_calibration(key).get("quant")
