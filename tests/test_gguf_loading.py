@@ -21,7 +21,7 @@ from localspec.base.errors import LocalspecError
 from localspec.kernels import cpu_w4a8
 from localspec.kernels.int4_linear import Int4Linear
 from localspec.runtime.quant import dense_weight
-from localspec.store.gguf_blocks import EIGHT_BIT, FOUR_BIT, decode
+from localspec.store.gguf_blocks import EIGHT_BIT, FOUR_BIT, SIX_BIT, block_bits, decode
 from localspec.store.gguf_model import GGUFEmbedding, GGUFSource, build_model
 
 MIXED = {"attn_q": Q.Q4_K, "attn_k": Q.Q4_0, "attn_v": Q.Q6_K, "attn_output": Q.Q4_1, "ffn_gate": Q.Q5_0,
@@ -36,13 +36,13 @@ def _blocks_of(qtype: Q, rows: int) -> np.ndarray:
     return quantize(np.random.default_rng(int(qtype)).standard_normal((rows, 512)).astype(np.float32), qtype)
 
 
-@pytest.mark.parametrize("qtype", FOUR_BIT + EIGHT_BIT, ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", FOUR_BIT + SIX_BIT + EIGHT_BIT, ids=lambda q: q.name)
 def test_every_decoder_gives_the_gguf_dequantizers_numbers_and_only_fp16_rounds_the_scales(qtype):
     blocks = _blocks_of(qtype, 8)
     reference = torch.from_numpy(dequantize(blocks, qtype))  # (8, K)
     affine = decode(torch.from_numpy(blocks), qtype)
-    assert affine.bits == (4 if qtype in FOUR_BIT else 8) and affine.group == (32 if affine.bits == 4 else 16)
-    assert int(affine.codes.max()) < 2 ** (4 if affine.bits == 4 else 8)
+    assert affine.bits == block_bits(qtype) and affine.group == (32 if affine.bits == 4 else 16)
+    assert int(affine.codes.max()) < 2**affine.bits
     n, k = affine.codes.shape
     codes = affine.codes.float().reshape(n, k // affine.group, affine.group)
     exact = (codes * affine.scales[..., None] + affine.mins[..., None]).reshape(n, k)
@@ -83,7 +83,7 @@ def test_every_linear_of_a_streamed_model_holds_the_files_numbers(arch, quant, t
             rows = _hf_rows(arch, model.config, short, module.out_features)
             expected = decode(source.raw(name), source.qtype(name)).dequantize()[rows]
             if quant == "w4a8":
-                assert isinstance(module, cpu_w4a8.W4A8Linear) and module.bits == (4 if source.qtype(name) in FOUR_BIT else 8)
+                assert isinstance(module, cpu_w4a8.W4A8Linear) and module.bits == block_bits(source.qtype(name))
             elif source.qtype(name) in FOUR_BIT:
                 assert isinstance(module, Int4Linear)
             else:  # int4 elsewhere: the wider types kept in bf16, more bits than the file has
@@ -223,7 +223,7 @@ def test_a_path_that_is_not_utf8_is_one_clean_line(tmp_path, monkeypatch):
 @pytest.mark.real_model
 def test_a_real_files_every_linear_is_its_own_numbers_never_fewer_bits():
     """Qwen2.5-Coder-0.5B's Q4_K_M file mixes Q4_K, Q5_0, Q6_K and Q8_0: every linear of its w4a8
-    load is the file's tensor, the 5-8 bit ones in 8-bit blocks."""
+    load is the file's tensor, the 5- and 6-bit ones in 6-bit blocks, Q8_0 in 8-bit ones."""
     from localspec.store.gguf_mirror import ensure_gguf
     from localspec.store.registry import load_registry
 
@@ -237,7 +237,7 @@ def test_a_real_files_every_linear_is_its_own_numbers_never_fewer_bits():
         for hf, short in names.items():
             name = f"blk.{i}.{short}.weight"
             module, qtype = layer.get_submodule(hf), source.qtype(name)
-            assert module.bits == (4 if qtype in FOUR_BIT else 8), name
+            assert module.bits == block_bits(qtype), name
             assert torch.equal(dense_weight(module), decode(source.raw(name), qtype).dequantize()), name
             seen.add(qtype)
     assert torch.equal(dense_weight(model.lm_head), decode(source.raw("output.weight"), source.qtype("output.weight")).dequantize())

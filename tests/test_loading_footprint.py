@@ -82,7 +82,7 @@ def test_a_run_keeps_only_what_it_reads(home, gguf):
     loaded = loading.load_model(model, torch.float32, quant="w4a8", progress=False)
     folder = gguf_cache(model)
     # layouts of other versions, of the file before it changed, of other torch builds
-    stale = [folder / "w4a8-blocks-v1.pt", folder / "w4a8-blocks-v3-000000000000.pt", folder / "cpu-layout-torch0.0.pt"]
+    stale = [folder / "w4a8-blocks-v1.pt", folder / "w4a8-blocks-v4-000000000000.pt", folder / "cpu-layout-torch0.0.pt"]
     for file in stale:
         file.write_bytes(b"x" * 1000)
     in_progress = folder.parent / ".gguf.123.abc"  # another process's write

@@ -1,4 +1,4 @@
-"""The w4a8 CPU kernel in both block formats (4-bit and 8-bit codes) against its torch reference,
+"""The w4a8 CPU kernel in its three block formats (4-, 6- and 8-bit codes) against its torch reference,
 row independence, per-group activation scales, the fallback when it cannot be built, and a real
 model on it: memory-mapped blocks, repacking a damaged file, exact speculation."""
 
@@ -28,16 +28,17 @@ needs_kernel = pytest.mark.skipif(KERNEL is None, reason="the w4a8 kernel cannot
 ISAS = [isa for isa in (3, 2, 1) if KERNEL is not None and KERNEL.isa >= isa]
 
 
-BITS = [4, 8]
+BITS = [4, 6, 8]
 
 
-def quantize_bytes(weight: torch.Tensor):
-    """(N, K) float -> 8-bit codes uint8 (N, K), scales and mins (N, K/16): min/max per 16 inputs."""
+def quantize_bytes(weight: torch.Tensor, bits: int = 8):
+    """(N, K) float -> `bits`-bit codes uint8 (N, K), scales and mins (N, K/16): min/max per 16 inputs."""
     n, k = weight.shape
+    top = 2**bits - 1
     groups = weight.reshape(n, k // cpu_w4a8.BYTE_GROUP, cpu_w4a8.BYTE_GROUP)  # (N, B, 16)
     mins = groups.amin(-1)
-    scales = ((groups.amax(-1) - mins) / 255).clamp_min(1e-8)
-    codes = torch.round((groups - mins[..., None]) / scales[..., None]).clamp(0, 255).to(torch.uint8)
+    scales = ((groups.amax(-1) - mins) / top).clamp_min(1e-8)
+    codes = torch.round((groups - mins[..., None]) / scales[..., None]).clamp(0, top).to(torch.uint8)
     return codes.reshape(n, k), scales, mins
 
 
@@ -50,8 +51,8 @@ def random_layer(n: int, k: int, seed: int, bits: int = 4):
     if bits == 4:
         packed, scales, mins = quantize_int4(weight, cpu_w4a8.GROUP)
         return cpu_w4a8.pack(packed, scales, mins), unpack_int4(packed), scales, mins, bias
-    codes, scales, mins = quantize_bytes(weight)
-    return cpu_w4a8.pack_bytes(codes, scales, mins), codes, scales, mins, bias
+    codes, scales, mins = quantize_bytes(weight, bits)
+    return cpu_w4a8.pack_codes(codes, scales, mins, bits), codes, scales, mins, bias
 
 
 def assert_rows_alone_equal_rows_together_and_near(linear, x: torch.Tensor, widths, reference: torch.Tensor) -> None:
@@ -184,14 +185,12 @@ def test_only_a_prompt_pass_of_enough_rows_takes_the_prompt_path():
 
 
 class ByteSource(torch.nn.Module):
-    """What `fuse` takes for the 8-bit format: a linear's codes, scales and mins per 16 inputs."""
+    """What `fuse` takes for the 6- and 8-bit formats: a linear's codes, scales and mins per 16 inputs."""
 
-    bits = 8
-
-    def __init__(self, out_features: int, in_features: int, seed: int) -> None:
+    def __init__(self, out_features: int, in_features: int, seed: int, bits: int = 8) -> None:
         super().__init__()
-        self.out_features, self.in_features = out_features, in_features
-        _, self.codes, self.scales, self.mins, bias = random_layer(out_features, in_features, seed, bits=8)
+        self.out_features, self.in_features, self.bits = out_features, in_features, bits
+        _, self.codes, self.scales, self.mins, bias = random_layer(out_features, in_features, seed, bits=bits)
         self.bias = torch.nn.Parameter(bias, requires_grad=False)
 
 
@@ -208,7 +207,9 @@ def int4_source(out_features: int, in_features: int, seed: int) -> torch.nn.Modu
 
 
 def source_of(bits: int, out_features: int, in_features: int, seed: int) -> torch.nn.Module:
-    return (int4_source if bits == 4 else ByteSource)(out_features, in_features, seed)
+    if bits == 4:
+        return int4_source(out_features, in_features, seed)
+    return ByteSource(out_features, in_features, seed, bits)
 
 
 @needs_kernel
@@ -261,11 +262,35 @@ def test_pack_bytes_places_each_code_where_the_kernel_reads_it_and_unpack_bytes_
         cpu_w4a8.pack_bytes(codes[:, :48], scales[:, :3], mins[:, :3])
 
 
+def test_pack_six_places_each_code_where_the_kernel_reads_it_and_unpack_six_reads_all_back():
+    n, k = 17, 64
+    codes = torch.randint(0, 64, (n, k), dtype=torch.uint8)
+    scales, mins = torch.rand(n, 4), -torch.rand(n, 4)
+    flat = cpu_w4a8.pack_six(codes, scales, mins)
+    assert flat.numel() == cpu_w4a8.block_bytes(n, k, bits=6) == 2 * 4 * 256
+    blocks = flat.reshape(2, 4, 256)  # (tile, block of 16 inputs, bytes)
+    for out, inp in [(0, 0), (3, 5), (16, 63), (9, 17), (15, 48), (4, 30), (7, 13)]:
+        tile, row, block, within = out // 16, out % 16, inp // 16, inp % 16
+        p, t = within // 4, within % 4
+        nibble_byte = int(blocks[tile, block, 64 * (p % 2) + 4 * row + t])
+        low = nibble_byte >> 4 if p >= 2 else nibble_byte & 15
+        high = (int(blocks[tile, block, 128 + 4 * row + t]) >> (2 * p)) & 3
+        assert low | (high << 4) == codes[out, inp]
+        assert blocks[tile, block, 192 + 2 * row : 194 + 2 * row].view(torch.float16).item() == scales[out, block].half().item()
+        assert blocks[tile, block, 224 + 2 * row : 226 + 2 * row].view(torch.float16).item() == mins[out, block].half().item()
+    assert blocks[1, :, 4:64].eq(0).all() and blocks[1, :, 194:224].eq(0).all(), "padded outputs are zero"
+    back, scales16, mins16 = cpu_w4a8.unpack_six(flat, n, k)
+    assert torch.equal(back, codes) and torch.equal(scales16, scales.half()) and torch.equal(mins16, mins.half())
+    with pytest.raises(ValueError, match="0..63"):
+        cpu_w4a8.pack_six(codes + 64, scales, mins)
+
+
 @needs_kernel
-def test_an_8bit_layer_reads_back_codes_times_scale_plus_min_and_that_is_what_the_kernel_multiplies():
+@pytest.mark.parametrize("bits", [6, 8])
+def test_a_6_or_8bit_layer_reads_back_codes_times_scale_plus_min_and_that_is_what_the_kernel_multiplies(bits):
     n, k = 37, 96
-    blocks, codes, scales, mins, bias = random_layer(n, k, seed=4, bits=8)
-    layer = cpu_w4a8.W4A8Linear(k, n, blocks, bias, KERNEL, bits=8)
+    blocks, codes, scales, mins, bias = random_layer(n, k, seed=4, bits=bits)
+    layer = cpu_w4a8.W4A8Linear(k, n, blocks, bias, KERNEL, bits=bits)
     expected = codes.float() * scales.half().float().repeat_interleave(16, dim=1) + mins.half().float().repeat_interleave(16, dim=1)
     assert torch.equal(layer.dense_weight(), expected)
     # one-hot rows (each the only non-zero of its group: exact in int8) give each input's column

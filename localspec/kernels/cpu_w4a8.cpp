@@ -1,11 +1,11 @@
-// 4-bit (or 8-bit) weights x 8-bit activations for the few rows of a decode step or a verify pass
+// 4-, 6- or 8-bit weights x 8-bit activations for the few rows of a decode step or a verify pass
 // (x86 CPUs).
 //
 // The layout and the arithmetic are described in cpu_w4a8.py, which builds this file on first use
 // and holds the plain torch reference. In short, for each tile of 16 output features the weights
-// are a run of 320-byte blocks, one per group of 32 inputs (4-bit codes) or of 16 inputs (8-bit
-// codes): 256 bytes of codes arranged for the integer dot-product instruction, then 16 fp16
-// scales, then 16 fp16 mins. Each row's activations are quantized with one scale per 32 inputs.
+// are a run of blocks, one per group of 32 inputs (4-bit codes) or of 16 inputs (6- and 8-bit
+// codes): 256 bytes of codes (192 for 6-bit ones) arranged for the integer dot-product instruction,
+// then 16 fp16 scales, then 16 fp16 mins. Each row's activations are quantized with one scale per 32 inputs.
 // A pass streams the blocks once; all of its rows are multiplied while a tile's blocks are in cache.
 //
 // A row's result depends only on that row: its quantization, its integer sums and the order of
@@ -27,13 +27,17 @@
 namespace {
 
 constexpr int64_t GROUP = 32;          // inputs per activation scale, and per block of 4-bit codes
-constexpr int64_t BYTE_GROUP = 16;     // inputs per block of 8-bit codes
+constexpr int64_t BYTE_GROUP = 16;     // inputs per block of 6- and 8-bit codes
 constexpr int64_t TILE = 16;           // outputs per block
-constexpr int64_t CODE_BYTES = 256;    // TILE * GROUP / 2 = TILE * BYTE_GROUP
-constexpr int64_t BLOCK_BYTES = 320;   // codes + 16 fp16 scales + 16 fp16 mins
 
 // inputs one block covers in the format of `bits`-bit codes
 constexpr int64_t block_inputs(int bits) { return bits == 4 ? GROUP : BYTE_GROUP; }
+// bytes of codes in a block: TILE * GROUP / 2 = TILE * BYTE_GROUP = 256, or 6/8 of that
+constexpr int64_t code_bytes(int bits) { return bits == 6 ? 192 : 256; }
+// a whole block: codes, then 16 fp16 scales and 16 fp16 mins
+constexpr int64_t block_bytes(int bits) { return code_bytes(bits) + 64; }
+constexpr int64_t CODE_BYTES = 256;    // the 4- and 8-bit formats, which the tile unit's paths take
+constexpr int64_t BLOCK_BYTES = 320;
 // Blocks are asked for this many groups before they are read. The hardware prefetcher alone left
 // the cores waiting: measured on the 2-core VM over the 1.5B model's 28 layers of linears, 12
 // groups ahead took one row from 45.9 to 36.2 ms, 4 rows from 57 to 41 ms and 16 rows from 96 to
@@ -41,8 +45,8 @@ constexpr int64_t block_inputs(int bits) { return bits == 4 ? GROUP : BYTE_GROUP
 // A hint past the end of the weights is harmless: prefetches do not fault.
 constexpr int64_t PREFETCH_GROUPS = 12;
 
-inline void prefetch_block(const uint8_t* block) {
-  for (int64_t line = 0; line < BLOCK_BYTES; line += 64) _mm_prefetch((const char*)block + line, _MM_HINT_T0);
+inline void prefetch_block(const uint8_t* block, int bits) {
+  for (int64_t line = 0; line < block_bytes(bits); line += 64) _mm_prefetch((const char*)block + line, _MM_HINT_T0);
 }
 
 inline int32_t four_bytes(const int8_t* p) {
@@ -140,6 +144,28 @@ inline __m512 add_block(__m512 total, __m512i sums, __m512 scale, __m512 mins, c
 }
 
 // out[r][n] = sum_j (scale[n,j] s[r,j] * sum_k code[n,k] q[r,k] + min[n,j] * s[r,j] sum_k q[r,k]) + bias[n]
+// 6-bit codes: vector p of byte codes (lane n: inputs 4p..4p+3) from the block's two nibble vectors
+// (vector p % 2: its low nibbles for p < 2, its high ones for p >= 2) and the vector of high bit
+// pairs (bits 2p, 2p + 1 of each byte).
+__attribute__((target("avx512f,avx512bw"), always_inline))
+inline __m512i six_bit_codes(const uint8_t* b, int p) {
+  const __m512i low = _mm512_set1_epi8(0x0F), two = _mm512_set1_epi8(0x03);
+  const __m512i nibbles = _mm512_loadu_si512((const void*)(b + 64 * (p & 1)));
+  const __m512i lo = _mm512_and_si512(p < 2 ? nibbles : _mm512_srli_epi16(nibbles, 4), low);
+  const __m512i pairs = _mm512_and_si512(_mm512_srli_epi16(_mm512_loadu_si512((const void*)(b + 128)), 2 * p), two);
+  return _mm512_or_si512(lo, _mm512_slli_epi16(pairs, 4));
+}
+
+// The same for 8 outputs (half h of the tile), on AVX2.
+__attribute__((target("avx2"), always_inline))
+inline __m256i six_bit_codes_avx2(const uint8_t* b, int p, int h) {
+  const __m256i low = _mm256_set1_epi8(0x0F), two = _mm256_set1_epi8(0x03);
+  const __m256i nibbles = _mm256_loadu_si256((const __m256i*)(b + 64 * (p & 1) + 32 * h));
+  const __m256i lo = _mm256_and_si256(p < 2 ? nibbles : _mm256_srli_epi16(nibbles, 4), low);
+  const __m256i pairs = _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i*)(b + 128 + 32 * h)), 2 * p), two);
+  return _mm256_or_si256(lo, _mm256_slli_epi16(pairs, 4));
+}
+
 template <int R, int BITS>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")))
 void tile_avx512(const uint8_t* blocks, int64_t count, const int8_t* q, int64_t k, const float* steps,
@@ -148,12 +174,12 @@ void tile_avx512(const uint8_t* blocks, int64_t count, const int8_t* q, int64_t 
   __m512 total[R];
   for (int r = 0; r < R; ++r) total[r] = _mm512_setzero_ps();
   for (int64_t j = 0; j < count; ++j) {
-    const uint8_t* b = blocks + j * BLOCK_BYTES;
-    prefetch_block(b + PREFETCH_GROUPS * BLOCK_BYTES);
+    const uint8_t* b = blocks + j * block_bytes(BITS);
+    prefetch_block(b + PREFETCH_GROUPS * block_bytes(BITS), BITS);
     __m512i sums[R];
     for (int r = 0; r < R; ++r) sums[r] = _mm512_setzero_si512();
     for (int p = 0; p < 4; ++p) {
-      const __m512i v = _mm512_loadu_si512((const void*)(b + 64 * p));
+      const __m512i v = BITS == 6 ? six_bit_codes(b, p) : _mm512_loadu_si512((const void*)(b + 64 * p));
       if constexpr (BITS == 4) {
         // lane n holds codes of inputs 4p..4p+3 (low nibbles) and 16+4p..16+4p+3 (high nibbles)
         const __m512i lo = _mm512_and_si512(v, low);
@@ -164,21 +190,21 @@ void tile_avx512(const uint8_t* blocks, int64_t count, const int8_t* q, int64_t 
           sums[r] = _mm512_dpbusd_epi32(sums[r], hi, _mm512_set1_epi32(four_bytes(a + 16 + 4 * p)));
         }
       } else {
-        // lane n holds the byte codes of inputs 4p..4p+3
+        // lane n holds the byte codes of inputs 4p..4p+3 (6-bit ones unpacked to bytes)
         for (int r = 0; r < R; ++r)
           sums[r] = _mm512_dpbusd_epi32(sums[r], v, _mm512_set1_epi32(four_bytes(q + r * k + j * BYTE_GROUP + 4 * p)));
       }
     }
-    const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(b + CODE_BYTES)));
-    const __m512 mins = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(b + CODE_BYTES + 32)));
+    const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(b + code_bytes(BITS))));
+    const __m512 mins = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(b + code_bytes(BITS) + 32)));
     for (int r = 0; r < R; ++r) total[r] = add_block(total[r], sums[r], scale, mins, steps + r * 2 * count + 2 * j);
   }
   store_tile(total, R, bias, out, n, n0);
 }
 
 // The same sums with AVX2: u8 x s8 pairs (maddubs), then pairs of pairs (madd). The 16 outputs of a
-// tile are two halves of 8. maddubs saturates a pair past 32767: 4-bit codes stay below it (at
-// most 2 * 15 * 127), byte codes are split into their low 7 bits (2 * 127 * 127) and their top
+// tile are two halves of 8. maddubs saturates a pair past 32767: 4- and 6-bit codes stay below it
+// (at most 2 * 63 * 127), byte codes are split into their low 7 bits (2 * 127 * 127) and their top
 // bit, whose pairs madd weighs by 128: both exact.
 template <int R, int BITS>
 __attribute__((target("avx2,fma,f16c")))
@@ -189,13 +215,13 @@ void tile_avx2(const uint8_t* blocks, int64_t count, const int8_t* q, int64_t k,
   __m256 total[R][2];
   for (int r = 0; r < R; ++r) total[r][0] = total[r][1] = _mm256_setzero_ps();
   for (int64_t j = 0; j < count; ++j) {
-    const uint8_t* b = blocks + j * BLOCK_BYTES;
-    prefetch_block(b + PREFETCH_GROUPS * BLOCK_BYTES);
+    const uint8_t* b = blocks + j * block_bytes(BITS);
+    prefetch_block(b + PREFETCH_GROUPS * block_bytes(BITS), BITS);
     for (int h = 0; h < 2; ++h) {
       __m256i sums[R];
       for (int r = 0; r < R; ++r) sums[r] = _mm256_setzero_si256();
       for (int p = 0; p < 4; ++p) {
-        const __m256i v = _mm256_loadu_si256((const __m256i*)(b + 64 * p + 32 * h));
+        const __m256i v = BITS == 6 ? six_bit_codes_avx2(b, p, h) : _mm256_loadu_si256((const __m256i*)(b + 64 * p + 32 * h));
         if constexpr (BITS == 4) {
           const __m256i lo = _mm256_and_si256(v, low);
           const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
@@ -204,6 +230,11 @@ void tile_avx2(const uint8_t* blocks, int64_t count, const int8_t* q, int64_t k,
             __m256i plo = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(four_bytes(a + 4 * p))), ones);
             __m256i phi = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, _mm256_set1_epi32(four_bytes(a + 16 + 4 * p))), ones);
             sums[r] = _mm256_add_epi32(sums[r], _mm256_add_epi32(plo, phi));
+          }
+        } else if constexpr (BITS == 6) {
+          for (int r = 0; r < R; ++r) {
+            const __m256i a = _mm256_set1_epi32(four_bytes(q + r * k + j * BYTE_GROUP + 4 * p));
+            sums[r] = _mm256_add_epi32(sums[r], _mm256_madd_epi16(_mm256_maddubs_epi16(v, a), ones));
           }
         } else {
           const __m256i rest = _mm256_and_si256(v, low7);
@@ -216,8 +247,8 @@ void tile_avx2(const uint8_t* blocks, int64_t count, const int8_t* q, int64_t k,
           }
         }
       }
-      const __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(b + CODE_BYTES + 16 * h)));
-      const __m256 mins = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(b + CODE_BYTES + 32 + 16 * h)));
+      const __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(b + code_bytes(BITS) + 16 * h)));
+      const __m256 mins = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(b + code_bytes(BITS) + 32 + 16 * h)));
       for (int r = 0; r < R; ++r) {  // add_block's steps, on 8 lanes
         const float* step = steps + r * 2 * count + 2 * j;
         total[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[r]), _mm256_mul_ps(scale, _mm256_set1_ps(step[0])), total[r][h]);
@@ -326,7 +357,7 @@ void tile_amx(const uint8_t* blocks, int64_t count, const int8_t* q, int64_t k, 
   if constexpr (BITS == 4)
     for (int64_t j = 0; j < UNPACK_AHEAD && j < count; ++j) unpack(blocks + j * BLOCK_BYTES, codes[j]);
   for (int64_t j = 0; j < count; ++j) {
-    prefetch_block(blocks + (j + PREFETCH_GROUPS) * BLOCK_BYTES);
+    prefetch_block(blocks + (j + PREFETCH_GROUPS) * BLOCK_BYTES, BITS);
     const int8_t* a = q + j * block_inputs(BITS);  // (16 rows, block_inputs) with rows k bytes apart
     int32_t* s = sums[j & LAG];
     if constexpr (BITS == 4) {
@@ -517,15 +548,17 @@ inline __m512 exp_ps(__m512 x) {
 typedef void (*TileFn)(const uint8_t*, int64_t, const int8_t*, int64_t, const float*, const float*, float*, int64_t,
                        int64_t);
 
+#define TILES_AVX512(BITS)                                                                                \
+  { tile_avx512<1, BITS>, tile_avx512<2, BITS>, tile_avx512<3, BITS>, tile_avx512<4, BITS>, tile_avx512<5, BITS>, \
+    tile_avx512<6, BITS>, tile_avx512<7, BITS>, tile_avx512<8, BITS> }
+
 // Rows go in chunks of up to 8 (AVX-512: 2 x 8 accumulators fit in 32 registers) or 2 (AVX2).
 TileFn tile_fn(int isa, int bits, int rows) {
-  static const TileFn avx512[2][8] = {
-      {tile_avx512<1, 4>, tile_avx512<2, 4>, tile_avx512<3, 4>, tile_avx512<4, 4>, tile_avx512<5, 4>, tile_avx512<6, 4>,
-       tile_avx512<7, 4>, tile_avx512<8, 4>},
-      {tile_avx512<1, 8>, tile_avx512<2, 8>, tile_avx512<3, 8>, tile_avx512<4, 8>, tile_avx512<5, 8>, tile_avx512<6, 8>,
-       tile_avx512<7, 8>, tile_avx512<8, 8>}};
-  static const TileFn avx2[2][2] = {{tile_avx2<1, 4>, tile_avx2<2, 4>}, {tile_avx2<1, 8>, tile_avx2<2, 8>}};
-  return isa >= 2 ? avx512[bits == 8][rows - 1] : avx2[bits == 8][rows - 1];
+  static const TileFn avx512[3][8] = {TILES_AVX512(4), TILES_AVX512(6), TILES_AVX512(8)};
+  static const TileFn avx2[3][2] = {{tile_avx2<1, 4>, tile_avx2<2, 4>}, {tile_avx2<1, 6>, tile_avx2<2, 6>},
+                                    {tile_avx2<1, 8>, tile_avx2<2, 8>}};
+  const int format = bits / 2 - 2;  // 4, 6, 8 -> 0, 1, 2
+  return isa >= 2 ? avx512[format][rows - 1] : avx2[format][rows - 1];
 }
 
 }  // namespace
@@ -542,8 +575,8 @@ int w4a8_isa(void) {
   return 0;
 }
 
-// x (m, k) float32 -> out (m, n) float32 for blocks of `bits`-bit codes (4 or 8) as built by
-// cpu_w4a8.pack / pack_bytes. scratch: m * k bytes of int8 activations (rounded up to 64), then per
+// x (m, k) float32 -> out (m, n) float32 for blocks of `bits`-bit codes (4, 6 or 8) as built by
+// cpu_w4a8.pack / pack_six / pack_bytes. scratch: m * k bytes of int8 activations (rounded up to 64), then per
 // row 2 * k / (32 or 16) floats (each block's scale and weighted activation sum). k is a multiple of 32.
 void w4a8_linear(const float* x, int64_t m, int64_t k, const uint8_t* blocks, int64_t n, const float* bias,
                  float* out, void* scratch, int isa, int bits) {
@@ -557,8 +590,9 @@ void w4a8_linear(const float* x, int64_t m, int64_t k, const uint8_t* blocks, in
   }
   const int64_t tiles = (n + TILE - 1) / TILE;
   const int chunk = isa >= 2 ? 8 : 2;
-  // rows in whole sets of 16 go to the tile unit, the rest to the vector units (the same numbers)
-  const int64_t amx_rows = isa == 3 ? m / AMX_ROWS * AMX_ROWS : 0;
+  // rows in whole sets of 16 go to the tile unit, the rest to the vector units (the same numbers);
+  // 6-bit codes always to the vector units, which unpack them in registers
+  const int64_t amx_rows = isa == 3 && bits != 6 ? m / AMX_ROWS * AMX_ROWS : 0;
   const TileFn amx = bits == 4 ? tile_amx<4> : tile_amx<8>;
 #pragma omp parallel if (tiles > 1)
   {
@@ -566,7 +600,7 @@ void w4a8_linear(const float* x, int64_t m, int64_t k, const uint8_t* blocks, in
     // dynamic: a thread the OS preempts (2 cores, other processes) does not hold half the work
 #pragma omp for schedule(dynamic, 4)
     for (int64_t t = 0; t < tiles; ++t) {
-      const uint8_t* tile_blocks = blocks + t * count * BLOCK_BYTES;
+      const uint8_t* tile_blocks = blocks + t * count * block_bytes(bits);
       for (int64_t r0 = 0; r0 < amx_rows; r0 += AMX_ROWS)
         amx(tile_blocks, count, q + r0 * k, k, steps + r0 * 2 * count, bias, out + r0 * n, n, t * TILE);
       for (int64_t r0 = amx_rows; r0 < m; r0 += chunk) {
@@ -586,7 +620,7 @@ int w4a8_prompt_usable(void) {
 }
 
 // A prompt's pass: x (m, k) float32 -> out (m, n) float32 through bf16 tiles, for blocks of
-// `bits`-bit codes (4 or 8). scratch: at least
+// `bits`-bit codes (4 or 8; 6-bit ones take w4a8_linear). scratch: at least
 // w4a8_prompt_scratch(m, k) bytes.
 int64_t w4a8_prompt_scratch(int64_t m, int64_t k) { return (m + 15) / 16 * 16 * k * 2; }
 

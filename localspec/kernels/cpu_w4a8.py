@@ -1,4 +1,4 @@
-"""4-bit (or 8-bit) weights x 8-bit activations on x86 CPUs, made for the 1-16 rows of speculative decoding.
+"""4-, 6- or 8-bit weights x 8-bit activations on x86 CPUs, made for the 1-16 rows of speculative decoding.
 
 Why: a one-token decode step reads every weight once, so its cost is the weights' bytes over the
 memory bandwidth, and a verify pass of several tokens should cost little more. 16-bit activations
@@ -11,17 +11,20 @@ their integer sums from the tile unit instead (one TDPBSSD per group and 16 outp
 VPDPBUSDs), with the same float steps after them, so the numbers are the same bit for bit.
 Measured on a 2-core AVX-512 VNNI VM over the 1.5B's linears: 4 rows cost 1.1x what 1 row does
 (bound by the bytes), 16 rows 2.1x on VNNI (bound by the dot products) and about 1.8x with AMX.
-The same library runs a second block format, 8-bit codes with a scale and min per 16 inputs (10
-bits per weight), which GGUF's Q5_K, Q6_K and Q8_0 tensors load into without re-quantizing
-(TDPBSUD on the tile unit: signed activations, unsigned codes).
+The same library runs two more block formats, each with a scale and min per 16 inputs: 6-bit codes
+(8 bits per weight), which GGUF's Q5_0, Q5_1, Q5_K and Q6_K tensors load into without
+re-quantizing, unpacked to bytes in registers (on the vector units only); and 8-bit codes (10 bits
+per weight) for Q8_0 (TDPBSUD on the tile unit: signed activations, unsigned codes). Before the
+6-bit format the 1.5B's Q6_K tensors (a quarter of its weights) read as 8-bit blocks, which cost
+its one-token pass about a fifth more bytes.
 
 Arithmetic, for a row x of the pass and an output feature n. Activations: one scale per group G of
 32 inputs of the row; weights: one scale and min per block b of 32 inputs (4-bit codes) or 16
 inputs (8-bit codes), each block inside one group G(b):
     x[k] ~ s[G] * a[k]       a = round(x / s[G]) in [-127, 127], s[G] = absmax(x over G) / 127
                              (at least 1e-12 / 127: an all-zero group quantizes to zeros)
-    w[n, k] = c[n, k] * scale[n, b] + min[n, b]     c in 0..15 (the int4 format of int4_format.py)
-                                                     or 0..255; scale and min rounded to fp16
+    w[n, k] = c[n, k] * scale[n, b] + min[n, b]     c in 0..15 (the int4 format of int4_format.py),
+                                                     0..63 or 0..255; scale and min rounded to fp16
     y[n] = sum_b (scale[n, b] s[G(b)] * sum_k c a + min[n, b] * s[G(b)] sum_k a) + bias[n]
 A row's large values flatten only the 31 others of their group, not the whole row. The integer sums
 are exact; each block adds its two float32 multiply-adds to the output in block order, with
@@ -30,12 +33,15 @@ row's result does not depend on the other rows of the pass (greedy identity betw
 verification holds by construction), nor on how the work is split between threads, nor on the
 instruction set: AVX2, VNNI and AMX give the same bits.
 
-Layout: outputs in tiles of 16 (the last one padded with zeros), each tile a run of one 320-byte
-block per 32 inputs (4-bit) or 16 inputs (8-bit): 256 bytes of codes in four 64-byte vectors p,
-then 16 fp16 scales, then 16 fp16 mins, for the tile's outputs n in order. 4-bit (`pack`): byte
-4n + t of vector p holds the code of input 4p + t in its low nibble and of input 16 + 4p + t in its
-high nibble; `unpack` reads the int4 format back out of them. 8-bit (`pack_bytes`): byte 4n + t of
-vector p is the code of input 4p + t; `unpack_bytes` reads the codes, scales and mins back.
+Layout: outputs in tiles of 16 (the last one padded with zeros), each tile a run of one block per
+32 inputs (4-bit) or 16 inputs (6- and 8-bit): the codes in 64-byte vectors, then 16 fp16 scales,
+then 16 fp16 mins, for the tile's outputs n in order (320 bytes; 256 for 6-bit codes). 4-bit
+(`pack`): byte 4n + t of vector p (0..3) holds the code of input 4p + t in its low nibble and of
+input 16 + 4p + t in its high nibble; `unpack` reads the int4 format back out of them. 8-bit
+(`pack_bytes`): byte 4n + t of vector p (0..3) is the code of input 4p + t. 6-bit (`pack_six`):
+byte 4n + t of vector v (0, 1) holds the low four bits of the codes of inputs 4v + t (low nibble)
+and 8 + 4v + t (high nibble), byte 4n + t of vector 2 the top two bits of the codes of inputs
+4p + t at bits 2p, 2p + 1. `read_codes` reads any format's codes, scales and mins back.
 
 Building: the C++ source beside this file is compiled on first use (`cpu_build`, about 2 s)
 into the cache folder the caller names. Without a compiler, or on a CPU without AVX2, `load` says
@@ -56,11 +62,12 @@ from localspec.kernels.cpu_build import KernelUnavailable, build
 from localspec.kernels.int4_format import unpack_int4
 
 GROUP = 32
-"""Inputs per block of 4-bit codes, and per activation scale of a row (both formats)."""
+"""Inputs per block of 4-bit codes, and per activation scale of a row (every format)."""
 BYTE_GROUP = 16
-"""Inputs per block of 8-bit codes: 16 outputs x 16 byte codes fill the same 256 bytes."""
+"""Inputs per block of 6- and 8-bit codes: 16 outputs x 16 byte codes fill the same 256 bytes."""
 TILE = 16
-BLOCK_BYTES = 320
+FORMATS = (4, 6, 8)
+"""The code widths the kernel's blocks hold."""
 SOURCE = Path(__file__).with_name("cpu_w4a8.cpp")
 ISA_NAMES = {3: "AMX + AVX-512 VNNI", 2: "AVX-512 VNNI", 1: "AVX2"}
 
@@ -107,12 +114,13 @@ class Kernel:
 
     def linear(self, x: torch.Tensor, blocks: torch.Tensor, n: int, bias: torch.Tensor | None, isa: int | None = None,
                bits: int = 4) -> torch.Tensor:
-        """x (M, K) float32 contiguous, blocks of `bits`-bit codes (`pack`: 4, `pack_bytes`: 8), bias
-        (N,) float32 or None -> (M, N) float32. isa: force one path (ISA_NAMES), never the prompt path."""
+        """x (M, K) float32 contiguous, blocks of `bits`-bit codes (`pack`: 4, `pack_six`: 6,
+        `pack_bytes`: 8), bias (N,) float32 or None -> (M, N) float32. isa: force one path
+        (ISA_NAMES), never the prompt path."""
         m, k = x.shape
         block_inputs(bits)  # a format the library knows, or ValueError before any pointer is read
         out = torch.empty(m, n, dtype=torch.float32)  # (M, N)
-        if self.prompt_usable and m >= PROMPT_ROWS and getattr(_prompt, "on", False) and isa is None:
+        if self.prompt_usable and m >= PROMPT_ROWS and getattr(_prompt, "on", False) and isa is None and bits != 6:
             scratch = self._scratch(self._prompt_scratch(m, k))
             self._prompt(x.data_ptr(), m, k, blocks.data_ptr(), n, 0 if bias is None else bias.data_ptr(),
                          out.data_ptr(), scratch.data_ptr(), bits)
@@ -165,10 +173,19 @@ def silu_mul_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 def block_inputs(bits: int) -> int:
-    """Inputs per block in the format of `bits`-bit codes (4 or 8)."""
-    if bits not in (4, 8):
-        raise ValueError(f"the w4a8 kernel's blocks hold 4- or 8-bit codes, not {bits}-bit")
+    """Inputs per block in the format of `bits`-bit codes (4, 6 or 8)."""
+    if bits not in FORMATS:
+        raise ValueError(f"the w4a8 kernel's blocks hold 4-, 6- or 8-bit codes, not {bits}-bit")
     return GROUP if bits == 4 else BYTE_GROUP
+
+
+def code_bytes(bits: int) -> int:
+    """Bytes of codes in one block of the format (then 32 of scales and 32 of mins)."""
+    return 192 if bits == 6 else 256
+
+
+def format_block_bytes(bits: int) -> int:
+    return code_bytes(bits) + 64
 
 
 def scratch_bytes(m: int, k: int, bits: int = 4) -> int:
@@ -188,12 +205,48 @@ def pack(packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torc
     return _with_steps(vectors, scales, mins)
 
 
+def _check_codes(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, what: str) -> None:
+    n, k = codes.shape
+    if codes.dtype != torch.uint8 or k % GROUP or scales.shape != (n, k // BYTE_GROUP) or mins.shape != scales.shape:
+        raise ValueError(f"{what} takes uint8 codes (N, K) with K a multiple of {GROUP} and scales and mins "
+                         f"(N, K/{BYTE_GROUP}), got {codes.dtype} {tuple(codes.shape)}, {tuple(scales.shape)}, {tuple(mins.shape)}")
+
+
+def pack_six(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
+    """6-bit codes (uint8 (N, K) in 0..63, K a multiple of 32) with scales and mins (N, K/16), w =
+    code * scale + min -> the kernel's blocks, uint8 (ceil(N/16) * K/16 * 256,)."""
+    _check_codes(codes, scales, mins, "pack_six")
+    if codes.numel() and int(codes.max()) > 63:
+        raise ValueError(f"pack_six takes codes in 0..63, got {int(codes.max())}")
+    codes = _pad_outputs(codes)  # (Np, K)
+    tiles, count = codes.shape[0] // TILE, codes.shape[1] // BYTE_GROUP
+    c = codes.reshape(tiles, TILE, count, 4, 4).permute(0, 2, 3, 1, 4)  # (tile, j, p, n, t): input = 16j + 4p + t
+    low, high = c & 0x0F, c >> 4
+    nibbles = low[:, :, :2] | (low[:, :, 2:] << 4)  # (tile, j, v, n, t): inputs 4v + t and 8 + 4v + t
+    pairs = high[:, :, 0] | (high[:, :, 1] << 2) | (high[:, :, 2] << 4) | (high[:, :, 3] << 6)  # (tile, j, n, t)
+    vectors = torch.cat((nibbles.reshape(tiles, count, 128), pairs.reshape(tiles, count, 64)), dim=-1)
+    return _with_steps(vectors, scales, mins)
+
+
+def unpack_six(blocks: torch.Tensor, out_features: int, in_features: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The kernel's blocks of 6-bit codes -> codes uint8 (N, K) and the fp16 scales and mins (N, K/16)."""
+    count = in_features // BYTE_GROUP
+    tiles = -(-out_features // TILE)
+    b = blocks.reshape(tiles, count, format_block_bytes(6))  # (tile, j, 256)
+    nibbles = b[..., :128].reshape(tiles, count, 2, TILE, 4)  # (tile, j, v, n, t)
+    pairs = b[..., 128:192].reshape(tiles, count, 1, TILE, 4)  # (tile, j, 1, n, t)
+    low = torch.cat((nibbles & 0x0F, nibbles >> 4), dim=2)  # (tile, j, p, n, t)
+    high = (pairs >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8)[:, None, None]) & 3  # (tile, j, p, n, t)
+    codes = (low | (high << 4)).permute(0, 3, 1, 2, 4).reshape(tiles * TILE, in_features)[:out_features]  # (N, K)
+    return (codes, *_steps(b, out_features))
+
+
 def unpack(blocks: torch.Tensor, out_features: int, in_features: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The kernel's blocks -> the int4 format they hold: packed uint8 (N, K/2), and the fp16 scales
     and mins (N, K/32) the kernel multiplies by (`pack` rounded them to fp16)."""
     groups = in_features // GROUP
     tiles = -(-out_features // TILE)
-    b = blocks.reshape(tiles, groups, BLOCK_BYTES)  # (tile, g, 320)
+    b = blocks.reshape(tiles, groups, format_block_bytes(4))  # (tile, g, 320)
     vectors = b[..., :256].reshape(tiles, groups, 4, TILE, 4)  # (tile, g, p, n, t)
     c = torch.stack((vectors & 0x0F, vectors >> 4), dim=-1)  # (tile, g, p, n, t, half): input = 16 half + 4p + t
     codes = c.permute(0, 3, 1, 5, 2, 4).reshape(tiles * TILE, in_features)[:out_features]  # (N, K)
@@ -204,9 +257,7 @@ def pack_bytes(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) ->
     """8-bit codes (uint8 (N, K), K a multiple of 32) with scales and mins (N, K/16), w = code *
     scale + min -> the kernel's blocks, uint8 (ceil(N/16) * K/16 * 320,)."""
     n, k = codes.shape
-    if codes.dtype != torch.uint8 or k % GROUP or scales.shape != (n, k // BYTE_GROUP) or mins.shape != scales.shape:
-        raise ValueError(f"pack_bytes takes uint8 codes (N, K) with K a multiple of {GROUP} and scales and mins "
-                         f"(N, K/{BYTE_GROUP}), got {codes.dtype} {tuple(codes.shape)}, {tuple(scales.shape)}, {tuple(mins.shape)}")
+    _check_codes(codes, scales, mins, "pack_bytes")
     codes = _pad_outputs(codes)  # (Np, K)
     tiles, count = codes.shape[0] // TILE, k // BYTE_GROUP
     c = codes.reshape(tiles, TILE, count, 4, 4).permute(0, 2, 3, 1, 4)  # (tile, j, p, n, t): input = 16j + 4p + t
@@ -218,7 +269,7 @@ def unpack_bytes(blocks: torch.Tensor, out_features: int, in_features: int) -> t
     the kernel multiplies by."""
     count = in_features // BYTE_GROUP
     tiles = -(-out_features // TILE)
-    b = blocks.reshape(tiles, count, BLOCK_BYTES)  # (tile, j, 320)
+    b = blocks.reshape(tiles, count, format_block_bytes(8))  # (tile, j, 320)
     vectors = b[..., :256].reshape(tiles, count, 4, TILE, 4)  # (tile, j, p, n, t): input = 16j + 4p + t
     codes = vectors.permute(0, 3, 1, 2, 4).reshape(tiles * TILE, in_features)[:out_features]  # (N, K)
     return (codes, *_steps(b, out_features))
@@ -229,8 +280,8 @@ def _pad_outputs(codes: torch.Tensor) -> torch.Tensor:  # (N, K) -> (N rounded u
 
 
 def _with_steps(vectors: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
-    """Code vectors (tile, block, 256) and scales, mins (N, blocks) -> the flat blocks: each block's
-    codes, then its 16 scales and 16 mins as fp16 (zero for padded outputs)."""
+    """Code vectors (tile, block, code bytes) and scales, mins (N, blocks) -> the flat blocks: each
+    block's codes, then its 16 scales and 16 mins as fp16 (zero for padded outputs)."""
     tiles, count = vectors.shape[:2]
     pad = tiles * TILE - scales.shape[0]
 
@@ -238,23 +289,23 @@ def _with_steps(vectors: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor)
         steps = torch.nn.functional.pad(steps.to(torch.float16), (0, 0, 0, pad))  # (Np, blocks)
         return steps.reshape(tiles, TILE, count).transpose(1, 2).contiguous().view(torch.uint8)
 
-    return torch.cat((vectors, fp16_bytes(scales), fp16_bytes(mins)), dim=-1).reshape(-1).contiguous()  # (tiles * blocks * 320,)
+    return torch.cat((vectors, fp16_bytes(scales), fp16_bytes(mins)), dim=-1).reshape(-1).contiguous()  # (tiles * blocks * bytes,)
 
 
 def _steps(blocks: torch.Tensor, out_features: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Blocks (tile, block, 320) -> their fp16 scales and mins, (N, blocks) each."""
+    """Blocks (tile, block, bytes) -> their fp16 scales and mins (the last 64 bytes), (N, blocks) each."""
     tiles, count = blocks.shape[:2]
-    steps = blocks[..., 256:].contiguous().view(torch.float16).reshape(tiles, count, 2, TILE)  # (tile, j, scale|min, n)
+    steps = blocks[..., -64:].contiguous().view(torch.float16).reshape(tiles, count, 2, TILE)  # (tile, j, scale|min, n)
     scales16, mins16 = steps.permute(2, 0, 3, 1).reshape(2, tiles * TILE, count)[:, :out_features]  # (N, blocks) each
     return scales16, mins16
 
 
 def read_codes(blocks: torch.Tensor, out_features: int, in_features: int, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Either format's blocks -> codes uint8 (N, K) and fp16 scales and mins (N, K / block_inputs(bits))."""
+    """Any format's blocks -> codes uint8 (N, K) and fp16 scales and mins (N, K / block_inputs(bits))."""
     if bits == 4:
         packed, scales16, mins16 = unpack(blocks, out_features, in_features)
         return unpack_int4(packed), scales16, mins16
-    return unpack_bytes(blocks, out_features, in_features)
+    return (unpack_six if bits == 6 else unpack_bytes)(blocks, out_features, in_features)
 
 
 def dequantize(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
@@ -277,8 +328,8 @@ def quantize_groups(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def w4a8_linear_reference(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
                           bias: torch.Tensor | None) -> torch.Tensor:
     """The plain torch meaning of the kernel: exact integer sums per block, in float64 after. codes
-    (N, K) in 0..15 or 0..255 with scales and mins (N, blocks): blocks of 32 inputs (4-bit) or 16
-    (8-bit), read from the shapes."""
+    (N, K) in 0..15, 0..63 or 0..255 with scales and mins (N, blocks): blocks of 32 inputs (4-bit)
+    or 16 (6- and 8-bit), read from the shapes."""
     rows = x.reshape(-1, x.shape[-1]).float()
     a, group_scales = quantize_groups(rows)  # (M, K) integer-valued, (M, K/32)
     m, k = a.shape
@@ -309,7 +360,7 @@ def w4a8_prompt_reference(x: torch.Tensor, codes: torch.Tensor, scales: torch.Te
 
 
 class W4A8Linear(torch.nn.Module):
-    """nn.Linear run by the kernel: 4- or 8-bit weights (the kernel's blocks of `bits`-bit codes) x
+    """nn.Linear run by the kernel: 4-, 6- or 8-bit weights (the kernel's blocks of `bits`-bit codes) x
     int8 activations (a scale per 32 inputs of a row), float32 in and out. Members of a
     `SharedInput` take their columns of one call for all of them."""
 
@@ -323,7 +374,7 @@ class W4A8Linear(torch.nn.Module):
             raise ValueError(f"in_features={in_features} must be a multiple of {GROUP} (and a shared layer's "
                              f"out_features={out_features} of {TILE})")
         self.in_features, self.out_features = in_features, out_features
-        self.register_buffer("blocks", blocks)  # (tiles * G * 320,) uint8, often memory-mapped
+        self.register_buffer("blocks", blocks)  # (tiles * blocks * block bytes,) uint8, often memory-mapped
         self.bias = None if bias is None else torch.nn.Parameter(bias.detach().float(), requires_grad=False)
         self.kernel = kernel
         self.shared, self.start, self.bits = shared, start, bits
@@ -390,8 +441,8 @@ class GatedMLP(torch.nn.Module):
 
 def fuse(sources: list[torch.nn.Module], kernel: Kernel, blocks: torch.Tensor | None = None) -> list[W4A8Linear]:
     """Linears that read the same input -> W4A8Linears sharing one kernel call. A source is an
-    Int4Linear (4-bit codes), or any module with in_features, out_features, bias and `bits = 8`
-    holding `codes`, `scales` and `mins` as `pack_bytes` takes them; all sources must have one
+    Int4Linear (4-bit codes), or any module with in_features, out_features, bias and `bits` 6 or 8
+    holding `codes`, `scales` and `mins` as `pack_six` / `pack_bytes` take them; all sources must have one
     format (ValueError otherwise). `blocks`: the members' blocks one after the other (what
     `fused_blocks` makes, or read back from disk); each member's own blocks are a view into it, so
     the tile-major layout makes the concatenation the blocks of the stacked weight."""
@@ -420,9 +471,16 @@ def source_bits(source: torch.nn.Module) -> int:
 
 
 def fused_blocks(sources: list[torch.nn.Module]) -> torch.Tensor:
-    return torch.cat([pack(s.packed, s.scales, s.mins) if source_bits(s) == 4 else pack_bytes(s.codes, s.scales, s.mins)
+    return torch.cat([pack(s.packed, s.scales, s.mins) if source_bits(s) == 4 else pack_codes(s.codes, s.scales, s.mins, source_bits(s))
                       for s in sources])
 
 
+def pack_codes(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, bits: int) -> torch.Tensor:
+    """Codes uint8 (N, K) with scales and mins (N, K / block_inputs(bits)) -> blocks of any format."""
+    if bits == 4:
+        return pack(codes[:, 0::2] | (codes[:, 1::2] << 4), scales, mins)
+    return (pack_six if bits == 6 else pack_bytes)(codes, scales, mins)
+
+
 def block_bytes(out_features: int, in_features: int, bits: int = 4) -> int:
-    return -(-out_features // TILE) * (in_features // block_inputs(bits)) * BLOCK_BYTES
+    return -(-out_features // TILE) * (in_features // block_inputs(bits)) * format_block_bytes(bits)

@@ -47,7 +47,7 @@ COMPUTE_DTYPE = torch.bfloat16
 """Activation dtype of the weight-only quantized models."""
 
 
-W4A8_LAYOUT = "w4a8-blocks-v3.pt"
+W4A8_LAYOUT = "w4a8-blocks-v4.pt"
 """The w4a8 kernel's packed weights, beside the int4 cache (the name changes with the layout)."""
 W4A8_LAYOUTS = "w4a8-blocks-*.pt"
 """The names of every version of that layout (older ones are left by earlier localspec versions)."""
@@ -189,13 +189,6 @@ class BlockSource:
     bits: int
     bias: torch.Tensor | None
     pack: Callable[[], torch.Tensor]
-
-
-def pack_affine(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, bits: int) -> torch.Tensor:
-    """Codes (N, K) uint8 with their scales and mins (w = code * scale + min) -> the kernel's blocks."""
-    if bits == 4:
-        return cpu_w4a8.pack(codes[:, 0::2] | (codes[:, 1::2] << 4), scales, mins)
-    return cpu_w4a8.pack_bytes(codes, scales, mins)
 
 
 def use_w4a8(model: torch.nn.Module, blocks_file: Path | None) -> None:

@@ -6,7 +6,8 @@ its own (`d * sc` and `-dmin * m` for the K formats, `-8d` / `-16d` / `-32 d sc`
 the symmetric ones):
 
     4-bit, groups of 32:  Q4_0, Q4_1, Q4_K
-    8-bit, groups of 16:  Q5_0, Q5_1, Q5_K, Q6_K, Q8_0   (5-8 bit codes in bytes: never fewer bits)
+    6-bit, groups of 16:  Q5_0, Q5_1, Q5_K, Q6_K   (5- and 6-bit codes: never fewer bits)
+    8-bit, groups of 16:  Q8_0
 
 `decode(raw, qtype)` takes the tensor's bytes as stored, (N, bytes per row) for N outputs, and
 returns `Affine`: float32 scales and mins; the kernels round them to fp16, which is the only
@@ -43,12 +44,14 @@ class Affine:
 
 
 FOUR_BIT = (Q.Q4_0, Q.Q4_1, Q.Q4_K)
-EIGHT_BIT = (Q.Q5_0, Q.Q5_1, Q.Q5_K, Q.Q6_K, Q.Q8_0)
+SIX_BIT = (Q.Q5_0, Q.Q5_1, Q.Q5_K, Q.Q6_K)
+EIGHT_BIT = (Q.Q8_0,)
+_BITS = {**dict.fromkeys(FOUR_BIT, 4), **dict.fromkeys(SIX_BIT, 6), **dict.fromkeys(EIGHT_BIT, 8)}
 
 
 def block_bits(qtype: Q) -> int | None:
-    """The kernel block format a tensor type is laid into (4 or 8), or None: not decoded here."""
-    return 4 if qtype in FOUR_BIT else 8 if qtype in EIGHT_BIT else None
+    """The kernel block format a tensor type is laid into (4, 6 or 8), or None: not decoded here."""
+    return _BITS.get(qtype)
 
 
 def decode(raw: torch.Tensor, qtype: Q) -> Affine | None:
@@ -62,7 +65,7 @@ def decode(raw: torch.Tensor, qtype: Q) -> Affine | None:
     codes, scales, mins = decoder(blocks)  # (N, B, block_size), (N, B, groups per block) x2
     group = block_size // scales.shape[-1]
     bits = block_bits(qtype)
-    if bits == 8 and group != 16:  # one scale per 32: the 8-bit blocks take groups of 16
+    if bits != 4 and group != 16:  # one scale per 32: the 6- and 8-bit blocks take groups of 16
         scales, mins, group = scales.repeat_interleave(group // 16, -1), mins.repeat_interleave(group // 16, -1), 16
     return Affine(codes.reshape(n, -1), scales.reshape(n, -1), mins.reshape(n, -1), group, bits)
 

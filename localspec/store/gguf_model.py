@@ -368,7 +368,7 @@ def _pack(source: GGUFSource, name: str, rows: torch.Tensor | None) -> torch.Ten
     for start in range(0, n, PACK_ROWS):
         picked = torch.arange(start, min(n, start + PACK_ROWS)) if rows is None else rows[start : start + PACK_ROWS]
         affine = decode(raw[picked], source.qtype(name))
-        blocks = quantization.pack_affine(affine.codes, affine.scales, affine.mins, bits)
+        blocks = cpu_w4a8.pack_codes(affine.codes, affine.scales, affine.mins, bits)
         offset = cpu_w4a8.block_bytes(start, k, bits)
         out[offset : offset + blocks.numel()] = blocks
     source.release(name)

@@ -8,7 +8,7 @@ Layout under home_dir():
     models/<name>/<file>.sha256               written only after the GGUF was verified
     converted/<name>-<sha12>/gguf/            from a GGUF: header.json (its parsed header), tokenizer/
                                               (built from its metadata), the w4a8 kernel's blocks
-                                              laid out from its tensors (w4a8-blocks-v3-<stamp>.pt)
+                                              laid out from its tensors (w4a8-blocks-v4-<stamp>.pt)
     converted/<name>-<sha12>/<quant>/         a quantized copy of a hub download (int4-g32, int8):
                                               model.safetensors, config, tokenizer files,
                                               quant_layout.json and `complete`, written last; read
