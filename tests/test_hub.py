@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import http.server
+import json
 import os
 import socket
 import threading
@@ -32,7 +33,8 @@ def sha(data: bytes) -> str:
 
 class FakeHub:
     """Serves GET/HEAD /{repo}/resolve/{revision}/{file} with the headers huggingface_hub needs:
-    X-Repo-Commit, ETag (the sha256, as the hub gives for LFS files), Content-Length, and Range.
+    X-Repo-Commit, ETag (the sha256, as the hub gives for LFS files), Content-Length, and Range;
+    and the repository's file list (GET /api/models/{repo}/tree/main).
 
     `cut` names a file whose first GET stops halfway, like a dropped connection; `status`
     answers every request with that HTTP status instead. Listens on 127.0.0.1 only and shuts
@@ -59,6 +61,15 @@ class FakeHub:
 
             def _answer(self, body: bool):
                 fake.requests.append((self.command, self.path, self.headers.get("Range")))
+                if self.path.split("?")[0] == f"/api/models/{REPO}/tree/main" and fake.status == 200:
+                    listing = json.dumps([{"type": "file", "path": name, "size": len(data), "oid": sha(data)[:40]}
+                                          for name, data in fake.files.items()]).encode()
+                    self.send_response(200)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(listing)))
+                    self.end_headers()
+                    self.wfile.write(listing)
+                    return
                 prefixes = [f"/{REPO}/resolve/{revision}/" for revision in (COMMIT, "main")]  # main: what the hub serves now
                 name = next((self.path[len(p):] for p in prefixes if self.path.startswith(p)), None)
                 if fake.status != 200 or name not in fake.files:
@@ -310,5 +321,34 @@ def test_a_hub_gguf_is_fetched_at_a_pinned_revision_checked_registered_and_remov
         with pytest.raises(LocalspecError) as caught:
             own_models.resolve(f"{REPO}/missing.gguf")
     assert "\n" not in str(caught.value)
-    with pytest.raises(LocalspecError, match="name the file of the quantization"):
-        own_models.resolve(f"{REPO}:Q4_K_M")
+
+
+def test_a_hub_quantization_tag_picks_its_file_split_sets_come_whole_and_a_wrong_tag_names_the_ones_there(monkeypatch, home, tmp_path):
+    from gguf_files import tiny_gguf_model, write_gguf
+
+    from localspec.store import own_models
+    from localspec.store.gguf_model import GGUFSource
+    from localspec.store.registry import load_registry
+
+    data = write_gguf(tiny_gguf_model("qwen2", hidden=64), tmp_path / "tiny.gguf").read_bytes()
+    files = {"Tiny-Q8_0.gguf": data, "Tiny-Q4_K_M.gguf": data, "README.md": b"x",
+             "Tiny-Q6_K-00001-of-00002.gguf": b"part one", "Tiny-Q6_K-00002-of-00002.gguf": b"part two"}
+    with serve(monkeypatch, FakeHub(files)) as fake:
+        name = own_models.resolve(f"{REPO}:q8_0")
+        assert not any("Q4_K_M" in r[1] for r in fake.gets()), "only the file asked for is fetched"
+        with pytest.raises(LocalspecError) as caught:
+            own_models.resolve(f"{REPO}:IQ2_XS")
+        assert str(caught.value) == f"{REPO} has no IQ2_XS file; its GGUF files are Q4_K_M, Q6_K, Q8_0"
+        with pytest.raises(LocalspecError):  # the split set's parts are not a GGUF, but both came
+            own_models.resolve(f"{REPO}:Q6_K")
+        assert {r[1].rsplit("/", 1)[-1] for r in fake.gets()} >= {"Tiny-Q6_K-00001-of-00002.gguf", "Tiny-Q6_K-00002-of-00002.gguf"}
+        assert not (home / "models" / "tiny-q6_k").exists(), "a download that is no model is not kept"
+    entry = load_registry().get(name)
+    assert name == "tiny-q8_0" and entry.gguf.name == "Tiny-Q8_0.gguf" and entry.revision == COMMIT
+    assert GGUFSource(entry.gguf).arch == "qwen2"
+    with serve(monkeypatch, FakeHub({"a-Q4_K_M.gguf": data, "b-Q4_K_M.gguf": data})):
+        with pytest.raises(LocalspecError, match="several Q4_K_M files"):
+            own_models.resolve(f"{REPO}:Q4_K_M")
+    with serve(monkeypatch, FakeHub({"model.safetensors": b"x"})):
+        with pytest.raises(LocalspecError, match="no .gguf files"):
+            own_models.resolve(f"{REPO}:Q4_K_M")

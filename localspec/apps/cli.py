@@ -24,8 +24,8 @@ PROPOSER_HELP = "; ".join(f"{kind.name}: {kind.about}" for kind in proposer_cata
 
 
 def _add_model_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="registry name, or the path of your own .gguf file (registered on first "
-                   "use; default: the registry's default model)")
+    p.add_argument("--model", default=None, help="registry name, the path of your own .gguf file, or a hub GGUF as "
+                   "org/repo/file.gguf or org/repo:Q4_K_M (registered on first use; default: the registry's default model)")
     p.add_argument("--draft", default=None, help="the draft model to pair with: a registry name or your own .gguf "
                    "(saved as the target's draft in your models.toml; its tokenizer is checked against the target's)")
     p.add_argument("--name", dest="own_name", default=None, help="with --model PATH: the name to register the file under "

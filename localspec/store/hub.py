@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import shutil
 import sys
 from dataclasses import dataclass
@@ -23,7 +24,7 @@ from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
 import httpx2
-from huggingface_hub import constants, get_hf_file_metadata, hf_hub_download, hf_hub_url
+from huggingface_hub import HfApi, constants, get_hf_file_metadata, hf_hub_download, hf_hub_url
 from huggingface_hub.errors import (
     FileMetadataError,
     GatedRepoError,
@@ -106,23 +107,77 @@ class _Unreachable(Exception):
 
 
 def fetch_gguf(name: str, repo: str, file: str, *, progress: bool = True) -> tuple[Path, str]:
-    """One GGUF file of a hub repository, for `--model org/repo/file.gguf`: the revision the hub
-    serves now is pinned (asked for first), the file fetched into models/<name>/hub/ (resumable,
-    checked against the hub's sha256); returns its path and that revision."""
-    probe = ModelEntry(name=name, display=name, arch="", hub_repo=repo, revision="main", files=(file,), sha256={},
-                       params=0.0, size=0, kv_per_token=0, drafts=(), eagle_heads=(), mirror=None)
+    """A GGUF of a hub repository, for `--model org/repo/file.gguf` (a split set's first part
+    brings every part): the revision the hub serves now is pinned (asked for first), the files
+    fetched into models/<name>/hub/ (resumable, checked against the hub's sha256); returns the
+    (first) file's path and that revision."""
+    probe = _probe(name, repo, file)
     url = hf_hub_url(repo, file, revision="main", endpoint=endpoint())
     try:
         revision = get_hf_file_metadata(url, endpoint=endpoint()).commit_hash
     except _UNREACHABLE as exc:
-        raise LocalspecError(f"the Hugging Face Hub at {shown_endpoint()} cannot be reached ({_redacted(first_line(exc))}); "
-                             f"download {repo}/{file} yourself and pass its path") from None
+        raise _unreachable_for(f"{repo}/{file}", exc) from None
     except (HfHubHTTPError, FileMetadataError) as exc:
         raise _hub_error(probe, file, exc) from None
     if not revision:
         raise LocalspecError(f"the hub at {shown_endpoint()} did not say which revision of {repo} it serves")
-    pinned = dataclasses.replace(probe, revision=revision)
+    pinned = dataclasses.replace(probe, revision=revision, files=split_parts(file))
     return pull(pinned, progress=progress).path / file, revision
+
+
+def quant_file(repo: str, quant: str) -> str:
+    """The GGUF of one quantization in a hub repository, for `--model org/repo:Q4_K_M`: the file
+    (a split set's first part) whose name carries the tag, as llama.cpp's `-hf` and Ollama pick it.
+    None or several: one line naming what the repository has."""
+    probe = _probe(repo, repo, f"*{quant}*.gguf")
+    try:
+        listed = HfApi(endpoint=endpoint()).list_repo_files(repo, revision="main")
+    except _UNREACHABLE as exc:
+        raise _unreachable_for(f"{repo}:{quant}", exc) from None
+    except (HfHubHTTPError, FileMetadataError) as exc:
+        raise _hub_error(probe, "the file list", exc) from None
+    ggufs = [f for f in listed if f.lower().endswith(".gguf")]
+    if not ggufs:
+        raise LocalspecError(f"{repo} has no .gguf files on the hub; localspec reads a hub model from its GGUF")
+    firsts = [f for f in ggufs if (part := _SPLIT.search(f)) is None or part[1] == "00001"]
+    tag = re.compile(rf"(^|[-_.]){re.escape(quant)}([-_.]|$)", re.IGNORECASE)
+    matches = sorted(f for f in firsts if tag.search(_stem(f)))
+    if len(matches) == 1:
+        return matches[0]
+    if not matches:
+        tags = sorted({t.upper() for f in firsts for t in _QUANT_TAG.findall(_stem(f))})
+        raise LocalspecError(f"{repo} has no {quant} file; its GGUF files are {', '.join(tags or firsts[:6])}")
+    raise LocalspecError(f"{repo} has several {quant} files ({', '.join(matches[:4])}); pass one as {repo}/FILE.gguf")
+
+
+_SPLIT = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$", re.IGNORECASE)
+_QUANT_TAG = re.compile(r"(?<![A-Za-z0-9])(I?Q\d(?:_[A-Z0-9]+)*|BF16|F16|F32)(?![A-Za-z0-9])", re.IGNORECASE)
+
+
+def _stem(file: str) -> str:
+    """A GGUF's name without its folder, split-part suffix and extension."""
+    name = Path(file).name
+    return name[: -len(".gguf")] if _SPLIT.search(name) is None else name[: _SPLIT.search(name).start()]
+
+
+def split_parts(file: str) -> tuple[str, ...]:
+    """A split set's first part -> all its parts' names (another file: itself)."""
+    match = _SPLIT.search(file)
+    if match is None or match[1] != "00001":
+        return (file,)
+    count = int(match[2])
+    return tuple(file[: match.start()] + f"-{i:05d}-of-{count:05d}.gguf" for i in range(1, count + 1))
+
+
+def _probe(name: str, repo: str, file: str) -> ModelEntry:
+    """An entry for the hub's error messages and pull before a revision is pinned."""
+    return ModelEntry(name=name, display=name, arch="", hub_repo=repo, revision="main", files=(file,), sha256={},
+                      params=0.0, size=0, kv_per_token=0, drafts=(), eagle_heads=(), mirror=None)
+
+
+def _unreachable_for(what: str, exc: Exception) -> LocalspecError:
+    return LocalspecError(f"the Hugging Face Hub at {shown_endpoint()} cannot be reached ({_redacted(first_line(exc))}); "
+                          f"download {what} yourself and pass its path")
 
 
 def _remote_files(entry: ModelEntry) -> tuple[dict[str, int], dict[str, str]]:

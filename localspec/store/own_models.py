@@ -1,6 +1,8 @@
 """Models the user already has: `--model ./file.gguf` (or a split set's first part) is registered
 on first use as an entry of the user's registry overlay, named after the file (`--name` to
-choose), and from then on is a model like any other (`localspec models`, pairings, `rm`, which
+choose), and from then on is a model like any other. A hub GGUF, `org/repo/file.gguf` or
+`org/repo:Q4_K_M` (the repository's file of that quantization), is fetched once, at the revision
+the hub serves then, and registered the same way (`localspec models`, pairings, `rm`, which
 removes only localspec's copies, never the file). The file is read in place and never changed.
 
 A name that is not a path is returned as it is: the registry resolves it.
@@ -11,6 +13,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import shutil
 from pathlib import Path
 
 from localspec.base.errors import LocalspecError
@@ -30,13 +33,16 @@ def is_path(reference: str) -> bool:
 
 def resolve(reference: str | None, name: str | None = None) -> str | None:
     """The registry name for a --model / --draft value: a registered name as it is; a GGUF path,
-    or a hub file `org/repo/file.gguf` (fetched once), registered (once) and its entry's name."""
+    or a hub file `org/repo/file.gguf` or `org/repo:QUANT` (fetched once), registered (once) and
+    its entry's name."""
     if reference is None:
         return None
     local = Path(os.path.expanduser(reference))
-    if _HUB_QUANT.match(reference):
-        raise LocalspecError(f"{reference}: name the file of the quantization you want, as org/repo/file.gguf "
-                             "(the repository's file list is on its hub page)")
+    if _HUB_QUANT.match(reference) and not local.exists():
+        from localspec.store.hub import quant_file
+
+        repo, quant = reference.split(":")
+        return _register_hub_file(repo, quant_file(repo, quant), name)
     if (match := _HUB_FILE.match(reference)) and not local.exists() and not reference.startswith((".", "/", "~")):
         return _register_hub_file(match["repo"], match["file"], name)
     if not is_path(reference):
@@ -80,8 +86,14 @@ def _register_hub_file(repo: str, file: str, name: str | None) -> str:
     from localspec.store.hub import fetch_gguf
 
     path, revision = fetch_gguf(name, repo, file)
-    source = GGUFSource(path, own_file_root(name) / "gguf" / "header.json")
-    save_user_model(name, {**entry_body(source, str(path), f"from {repo}"), "hub_repo": repo, "revision": revision})
+    try:
+        source = GGUFSource(path, own_file_root(name) / "gguf" / "header.json")
+        body = entry_body(source, str(path), f"from {repo}")
+    except LocalspecError:  # a download that is no model: nothing of it stays
+        shutil.rmtree(path.parents[len(Path(file).parts)], ignore_errors=True)  # models/<name>
+        shutil.rmtree(own_file_root(name), ignore_errors=True)
+        raise
+    save_user_model(name, {**body, "hub_repo": repo, "revision": revision})
     return name
 
 
