@@ -6,8 +6,8 @@ gguf package's reader and parses only the header: a hostile file (truncated, gar
 that lies about its size or offset) is one `LocalspecError` line, and the file is only ever read.
 
 `build_model` makes the transformers model on the meta device and fills it one tensor at a time:
-- w4a8 (x86 CPUs): 4-bit tensors (Q4_0/Q4_1/Q4_K) into the kernel's 4-bit blocks, 5-8 bit ones
-  (Q5_*/Q6_K/Q8_0) into its 8-bit blocks, each with the file's own scales and mins
+- w4a8 (x86 CPUs): 4-bit tensors (Q4_0/Q4_1/Q4_K) into the kernel's 4-bit blocks, 5- and 6-bit
+  ones (Q5_*/Q6_K) into its 6-bit blocks, Q8_0 into its 8-bit ones, each with the file's own scales and mins
   (`gguf_blocks`); float tensors and other types float32 (the gguf package's de-quantizer);
 - int4 (GPUs, MPS, CPUs without the kernel): 4-bit tensors as `Int4Linear` with their own numbers,
   the rest bf16 (more bits than the file has, never fewer);

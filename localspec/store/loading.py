@@ -70,7 +70,7 @@ def load_model(
     pip_args: Sequence[str] = (),
 ) -> LoadedModel:
     """Load a registry model for inference: its hub download if pulled, else its GGUF, streamed
-    (gguf_model). With `quant` the weights are w4a8 (the file's own 4- and 8-bit numbers, float32
+    (gguf_model). With `quant` the weights are w4a8 (the file's own 4-, 6- and 8-bit numbers, float32
     between), int4/int8/nf4 with activations bf16, or w8a8 with float32 around int8 matmuls
     (`dtype` is then ignored)."""
     start = time.perf_counter()

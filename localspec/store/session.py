@@ -218,7 +218,7 @@ def choose_quant(entry: ModelEntry, wanted: str, device: torch.device, dtype: st
         return _fit_in_memory(entry, device, free, DTYPE_NAMES[dtype].itemsize, f"--dtype {dtype}")
     from_gguf = reads_gguf(entry)
     if from_gguf and device.type == "cpu" and (kernel := _w4a8_kernel_name()):
-        return "w4a8", (f"the file's own 4- and 8-bit weights, multiplied with int8 activations by localspec's {kernel} "
+        return "w4a8", (f"the file's own 4-, 6- and 8-bit weights, multiplied with int8 activations by localspec's {kernel} "
                         "kernel: a verify pass of a few tokens costs about what one token does")
     if from_gguf and device.type != "mps":  # MPS has no int4 kernel: 16-bit where it fits, below
         return "int4", "the file's own 4-bit weights (its wider ones in bf16): nothing re-quantized"
@@ -269,7 +269,7 @@ def load_models(
     if quant != "none":
         torch_dtype = quantization.compute_dtype(quant)
         how = {"w8a8": "int8 weights and activations, float32 between them",
-               "w4a8": "4- and 8-bit weights (as the file has them) and int8 activations, float32 between them"}.get(quant, f"{quant} weights, bfloat16 activations")
+               "w4a8": "4-, 6- and 8-bit weights (as the file has them) and int8 activations, float32 between them"}.get(quant, f"{quant} weights, bfloat16 activations")
         dtype_reason = f"{how} ({quant_reason})"
     elif dtype == "auto":
         torch_dtype, dtype_reason = choose_dtype(entry, draft_entry, proposer, spec, device, quiet)
