@@ -76,6 +76,21 @@ def test_causal_rows_match_reference_and_each_row_alone(heads, kv_heads, d, s, t
 
 
 @needs_kernel
+@pytest.mark.parametrize("d", [12, 64, 20])
+def test_a_rows_bits_do_not_depend_on_how_its_slots_are_listed(d):
+    """A mask-built plan lists a tree row's slots as extras from 0, a host-built one as a prefix and
+    two extras: the same slots in the same order give the same bits (feature tails included)."""
+    gen = torch.Generator().manual_seed(d)
+    query = torch.randn(1, 4, 1, d, generator=gen)
+    key, value = cache_views(2, d, 26, seed=d)
+    listed = [cpu_attention.VisibleRows([0], [list(range(21)) + [24]]), cpu_attention.VisibleRows([20], [[20, 24]]),
+              cpu_attention.VisibleRows([21], [[24]])]
+    first, *others = [KERNEL(query, key, value, rows, 0.3) for rows in listed]
+    for other in others:
+        assert torch.equal(first, other)
+
+
+@needs_kernel
 def test_tree_rows_see_the_past_and_their_own_ancestors_only():
     heads, kv_heads, d, past = 6, 2, 32, 50
     parents = [-1, 0, 0, 1, 3, 2]  # node i's parent (-1: the root token at slot past)

@@ -18,7 +18,11 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-fno-math-errno")
+FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-fno-math-errno", "-ffp-contract=off")
+"""-ffp-contract=off: the kernels' scalar parts (a tail of features past the last vector) must not
+become fused multiply-adds in one compiled copy of a loop and a multiply then an add in another
+(GCC versions loops, e.g. on whether a slot lies in a row's prefix): a row's bits must not depend
+on how its visible slots were listed. The vector parts are intrinsics and say which they mean."""
 
 
 class KernelUnavailable(RuntimeError):
