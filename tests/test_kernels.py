@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from localspec.kernels.cpu_linear import PackedLinear, pack_linears, packing_supported, unpack_linears
+from localspec.kernels.cpu_linear import PackedLinear, pack_linears, packing_supported, packs, unpack_linears
 
 pytestmark = pytest.mark.skipif(not packing_supported(), reason="this torch build has no oneDNN linear ops")
 
@@ -15,6 +15,8 @@ pytestmark = pytest.mark.skipif(not packing_supported(), reason="this torch buil
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 7, 16, 33])
 @pytest.mark.parametrize("out_features, in_features, bias", [(64, 32, False), (97, 45, True), (1, 7, True)])
 def test_packed_linear_matches_reference(dtype, tol, rows, out_features, in_features, bias):
+    if not packs(dtype):
+        pytest.skip(f"oneDNN does not pack {dtype} weights on this CPU")
     torch.manual_seed(rows)
     linear = torch.nn.Linear(in_features, out_features, bias=bias).to(dtype)
     x = torch.randn(1, rows, in_features, dtype=dtype)
@@ -71,3 +73,12 @@ def test_int8_model_keeps_odd_layers_in_float_and_stays_close():
     assert quantize_model(model, "int8", torch.device("cpu")) == {"0": "int8"}
     assert isinstance(model[0], Int8Linear) and isinstance(model[2], torch.nn.Linear)  # 40 % 16 != 0
     torch.testing.assert_close(model(x), reference, atol=0.1, rtol=0.1)
+
+
+def test_a_dtype_onednn_cannot_pack_here_stays_a_plain_linear():
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 16).to(torch.bfloat16))
+    pack_linears(model, wide_from=2)
+    assert isinstance(model[0], PackedLinear) == packs(torch.float32)
+    assert isinstance(model[1], PackedLinear) == packs(torch.bfloat16)
+    out = model[1](torch.randn(3, 16, dtype=torch.bfloat16))  # runs either way
+    assert out.shape == (3, 16)

@@ -10,6 +10,8 @@ it only when memory allows and a measurement says it pays.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -21,6 +23,19 @@ def packing_supported() -> bool:
         and hasattr(mkldnn_ops, "_reorder_linear_weight")
         and hasattr(mkldnn_ops, "_linear_pointwise")
     )
+
+
+@functools.cache
+def packs(dtype: torch.dtype) -> bool:
+    """Whether oneDNN reorders weights of this dtype on this CPU: its bf16 path needs AVX-512 (BW,
+    VL, DQ) or AVX-NE-CONVERT and raises elsewhere, so an AVX2-only CPU keeps bf16 linears plain."""
+    if not packing_supported():
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=dtype), None)
+    except RuntimeError:
+        return False
+    return True
 
 
 class PackedLinear(torch.nn.Module):
@@ -48,10 +63,11 @@ class PackedLinear(torch.nn.Module):
 
 
 def pack_linears(model: torch.nn.Module, wide_from: int) -> int:
-    """Replace every nn.Linear under `model` by a PackedLinear; returns the bytes added."""
+    """Replace every nn.Linear under `model` whose dtype oneDNN packs here by a PackedLinear;
+    returns the bytes added."""
     added = 0
     for name, child in list(model.named_children()):
-        if isinstance(child, torch.nn.Linear):
+        if isinstance(child, torch.nn.Linear) and packs(child.weight.dtype):
             setattr(model, name, PackedLinear(child, wide_from))
             added += child.weight.numel() * child.weight.element_size()
         elif not isinstance(child, PackedLinear):
