@@ -62,7 +62,7 @@ def test_calibration_times_the_attention_and_contexts_generation_runs(tmp_path, 
     from localspec.store.loading import LoadedModel
 
     monkeypatch.setenv("LOCALSPEC_HOME", str(tmp_path))
-    monkeypatch.setattr(session, "packing_supported", lambda: False)
+    monkeypatch.setattr(session, "packs", lambda dtype: False)
     seen = []
     real = costs.time_forward
 

@@ -198,7 +198,7 @@ void row_attention(const float* q, int64_t t, int64_t heads, int64_t d, int64_t 
                    const int64_t* prefix, const int64_t* extra, const int64_t* offset, const int64_t* count,
                    int64_t most_visible, float scale, float* out) {
   const int64_t group = heads / kv_heads;
-  const AttendFn attend = attention_supported() == 2 ? attend_avx512 : attend_avx2;
+  static const AttendFn attend = attention_supported() == 2 ? attend_avx512 : attend_avx2;  // asked once per process
 #pragma omp parallel if (t * kv_heads > 1)
   {
     std::vector<float> scores(most_visible + 16);

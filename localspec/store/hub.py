@@ -157,7 +157,8 @@ _QUANT_TAG = re.compile(r"(?<![A-Za-z0-9])(I?Q\d(?:_[A-Z0-9]+)*|BF16|F16|F32)(?!
 def _stem(file: str) -> str:
     """A GGUF's name without its folder, split-part suffix and extension."""
     name = Path(file).name
-    return name[: -len(".gguf")] if _SPLIT.search(name) is None else name[: _SPLIT.search(name).start()]
+    part = _SPLIT.search(name)
+    return name[: -len(".gguf")] if part is None else name[: part.start()]
 
 
 def split_parts(file: str) -> tuple[str, ...]:

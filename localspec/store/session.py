@@ -35,7 +35,7 @@ from localspec.store.measurements import (
 from localspec.store.proposer_catalog import Candidate, rank_proposers, registered_draft
 from localspec.store.registry import ModelEntry, Registry, load_registry
 from localspec.kernels.cpu_linear import (
-    PackedLinear, linear_bytes, pack_linears, packing_supported, set_wide_from, unpack_linears,
+    PackedLinear, linear_bytes, pack_linears, packs, set_wide_from, unpack_linears,
 )
 from localspec.kernels.cpu_w8a8 import w8a8_supported, wait_for_packing
 
@@ -125,7 +125,7 @@ def fast_verify_path(target: LoadedModel, widths=WIDTHS) -> dict[int, dict[int, 
 
 def _choose_verify_path(target: LoadedModel, widths) -> dict[int, dict[int, float]]:
     plain = measured_curves(target.name, target.model, widths)
-    if target.device.type != "cpu" or not packing_supported():
+    if target.device.type != "cpu" or not packs(target.dtype):  # nothing to pack: no second measurement
         return plain
     if psutil.virtual_memory().available < linear_bytes(target.model) + PACKING_MEMORY_MARGIN:
         return plain
