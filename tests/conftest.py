@@ -46,6 +46,18 @@ def quantized_as_loaded(model, quant: str):
     return model
 
 
+def tiny_tokenizer():
+    """A real transformers tokenizer of the same characters as CharTokenizer (one token each), for
+    code that saves or loads tokenizer files."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {chr(32 + i): i for i in range(95)} | {"<unk>": 95}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")  # one token per character
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>")
+
+
 class CharTokenizer:
     """Printable ASCII as token ids (id = ord(c) - 32); id 0 (space) ... 94 ('~'), 95 = EOS."""
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import http.server
 import json
@@ -351,4 +352,51 @@ def test_a_hub_quantization_tag_picks_its_file_split_sets_come_whole_and_a_wrong
             own_models.resolve(f"{REPO}:Q4_K_M")
     with serve(monkeypatch, FakeHub({"model.safetensors": b"x"})):
         with pytest.raises(LocalspecError, match="no .gguf files"):
+            own_models.resolve(f"{REPO}:Q4_K_M")
+
+
+def test_a_registry_model_with_a_hub_gguf_takes_it_on_a_cpu_and_loads_from_it(monkeypatch, home, tmp_path):
+    from gguf_files import tiny_gguf_model, write_gguf
+
+    from localspec.store import machine
+    from localspec.store.session import reads_gguf
+    from localspec.store.tokenizers import gguf_file
+
+    data = write_gguf(tiny_gguf_model("qwen2", hidden=64), tmp_path / "tiny.gguf").read_bytes()
+    listed = {"Tiny-Q4_K_M.gguf": data, "Tiny-Q8_0.gguf": data} | FILES
+    with_gguf = dataclasses.replace(entry(), gguf_hub=f"{REPO}:Q4_K_M", gguf_size=len(data))
+    with serve(monkeypatch, FakeHub(listed)) as fake:
+        assert machine.takes_gguf(with_gguf), "this machine runs on its CPU"
+        pulled = hub.pull(with_gguf, progress=False)
+        assert pulled.path == home / "models" / "tiny" / "gguf" / "Tiny-Q4_K_M.gguf" and pulled.path.read_bytes() == data
+        assert {r[1].rsplit("/", 1)[-1] for r in fake.gets()} & set(listed) == {"Tiny-Q4_K_M.gguf"}, "only that file"
+    assert paths.is_downloaded(with_gguf) and reads_gguf(with_gguf) and gguf_file(with_gguf) == pulled.path
+    assert paths.hub_snapshot(with_gguf) is None
+    assert hub.pull(with_gguf, progress=False).source == "already downloaded", "no network the second time"
+    hub.rm(with_gguf)
+    assert not paths.is_downloaded(with_gguf)
+    with serve(monkeypatch, FakeHub(listed)):
+        assert hub.pull(with_gguf, progress=False, weights="float").path == home / "models" / "tiny" / "hub"
+    assert not reads_gguf(with_gguf) and (home / "models" / "tiny" / "hub" / "model.safetensors").read_bytes() == WEIGHTS
+
+
+def test_a_hub_gguf_reference_is_asked_for_once_registered_and_an_unreachable_hub_is_one_quick_line(monkeypatch, home, tmp_path):
+    from gguf_files import tiny_gguf_model, write_gguf
+
+    from localspec.store import own_models
+
+    data = write_gguf(tiny_gguf_model("qwen2", hidden=64), tmp_path / "tiny.gguf").read_bytes()
+    with serve(monkeypatch, FakeHub({"Tiny-Q8_0.gguf": data})):
+        name = own_models.resolve(f"{REPO}:Q8_0")
+    with serve(monkeypatch, FakeHub({}, status=503)) as fake:
+        assert own_models.resolve(f"{REPO}:Q8_0") == name, "registered: the hub is not asked again"
+        assert fake.requests == []
+        with pytest.raises(LocalspecError) as refused:
+            own_models.resolve(f"{REPO}:Q4_K_M")
+        assert len(fake.requests) == 1, "the file list is asked for once, not retried"
+    assert "\n" not in str(refused.value)
+    with socket.socket() as closed:  # a port nobody listens on
+        closed.bind(("127.0.0.1", 0))
+        monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{closed.getsockname()[1]}")
+        with pytest.raises(LocalspecError, match="cannot be reached.*download org/tiny:Q4_K_M yourself"):
             own_models.resolve(f"{REPO}:Q4_K_M")

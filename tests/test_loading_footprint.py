@@ -15,9 +15,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
 
+from conftest import tiny_tokenizer
 from gguf_files import tiny_gguf_model, write_gguf
 from localspec.base.errors import LocalspecError
 from localspec.base.files import hold, remove_unless_held
@@ -27,13 +26,6 @@ from localspec.store.cleanup import discard_unused
 from localspec.store.paths import gguf_cache
 from localspec.store.quantized import KERNEL_LAYOUTS, _cpu_layout_name
 from localspec.store.registry import MirrorSource, ModelEntry
-
-
-def tiny_tokenizer() -> PreTrainedTokenizerFast:
-    vocab = {chr(32 + i): i for i in range(95)} | {"<unk>": 95}
-    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")  # one token per character
-    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>")
 
 
 @pytest.fixture

@@ -85,6 +85,10 @@ def test_the_test_registry_and_the_shipped_one_load(tmp_path):
     assert shipped.get("llama-3.1-8b").eagle_heads[0].repo == "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B"
     assert shipped.get("qwen3-8b").eagle_heads[0].repo == "AngelSlim/Qwen3-8B_eagle3"
     assert all(any(f.endswith(".safetensors") for f in e.files) for e in shipped.models.values())
+    for big in ("llama-3.1-8b", "qwen3-8b", "qwen2.5-7b", "qwen2.5-coder-7b"):  # a 4-bit file for target and draft
+        for name in (big, *shipped.get(big).drafts):
+            assert shipped.get(name).gguf_hub or shipped.get(name).mirror, name
+    assert "Q4_K_M" in shipped.get("qwen2.5-7b").gguf_hub and shipped.get("qwen2.5-7b").gguf_size < 5e9
 
 
 def test_unknown_key_is_an_error(tmp_path):
@@ -135,6 +139,9 @@ LONELY = BASE[BASE.index("[models.lonely]"):].replace("[models.lonely]", "")
         ('[models.big]\nmirror = "x"\n', "model 'big': mirror must be a table"),
         ('[models.big.paired]\nproposer = "ngram"\ndraft_len = "3"\n', "draft_len must be an integer"),
         ('[[models.big.eagle_heads]]\ntrain = 5\n', "train must be a string"),
+        ('[models.big]\ngguf_hub = "https://evil/x.gguf"\n', "gguf_hub must be org/repo:QUANT or org/repo/file.gguf"),
+        ('[models.big]\ngguf = "/a.gguf"\nfolder = "/b"\n', "names both a gguf file and a folder"),
+        ('[models.big]\nfolder = "relative/dir"\n', "folder must be an absolute path"),
         ("models = 3\n", r"\[models\] must be a table"),
         ("default = 3\n", "default a string"),
         ('[models.big]\nparams = "\xff', "cannot read model registry"),

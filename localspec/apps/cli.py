@@ -24,11 +24,12 @@ PROPOSER_HELP = "; ".join(f"{kind.name}: {kind.about}" for kind in proposer_cata
 
 
 def _add_model_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="registry name, the path of your own .gguf file, or a hub GGUF as "
-                   "org/repo/file.gguf or org/repo:Q4_K_M (registered on first use; default: the registry's default model)")
-    p.add_argument("--draft", default=None, help="the draft model to pair with: a registry name or your own .gguf "
+    p.add_argument("--model", default=None, help="registry name, the path of your own .gguf file or folder of Hugging Face "
+                   "safetensors, or a hub GGUF as org/repo/file.gguf or org/repo:Q4_K_M (registered on first use; "
+                   "default: the registry's default model)")
+    p.add_argument("--draft", default=None, help="the draft model to pair with: a registry name, your own .gguf or folder "
                    "(saved as the target's draft in your models.toml; its tokenizer is checked against the target's)")
-    p.add_argument("--name", dest="own_name", default=None, help="with --model PATH: the name to register the file under "
+    p.add_argument("--name", dest="own_name", default=None, help="with --model PATH: the name to register it under "
                    "(default: from the file name)")
     p.add_argument("--dtype", default="auto", choices=DTYPES, help="compute dtype (auto: measured on this machine); an explicit one also keeps float weights "
                    "under --quant auto, quantized only if they do not fit in memory")
@@ -95,6 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
     pull.add_argument("name", help="registry name")
     pull.add_argument("--offline", action="store_true",
                       help="no network: only the mirror's files already here (also: HF_HUB_OFFLINE=1)")
+    pull.add_argument("--weights", default="auto", choices=("auto", "gguf", "float"),
+                      help="for a model with a 4-bit GGUF on the hub: gguf takes it, float the 16-bit files; auto "
+                      "takes the GGUF on a CPU and where the 16-bit weights would not fit")
 
     rm = sub.add_parser("rm", help="delete a model's downloads and converted copies")
     rm.add_argument("name", help="registry name")
@@ -226,6 +230,8 @@ def cmd_models(args: argparse.Namespace) -> int:
         about = [entry.display]
         if name == registry.default:
             about.append("(default)")
+        if entry.gguf_hub:
+            about.append(f"or {entry.gguf_size / 1e9:.1f} GB as the hub's {entry.gguf_hub}")
         if entry.drafts:
             about.append(f"drafts: {', '.join(entry.drafts)}")
         if entry.paired:
@@ -238,7 +244,7 @@ def cmd_models(args: argparse.Namespace) -> int:
 def cmd_pull(args: argparse.Namespace) -> int:
     from localspec.store.hub import pull
 
-    pulled = pull(load_registry().get(args.name), offline=args.offline)
+    pulled = pull(load_registry().get(args.name), offline=args.offline, weights=args.weights)
     via = f" ({pulled.note})" if pulled.note else ""
     print(f"{args.name}: {pulled.source}{via}: {pulled.path}")
     return 0

@@ -15,19 +15,25 @@
 
 namespace {
 
-// exp(x) for x <= 0 (scores minus their maximum): Cephes' expf polynomial, 2^n by scalef.
+// exp(x) = 2^n e^r, n = round(x log2 e), r = x - n ln 2 (ln 2 in two parts, so r is exact enough),
+// e^r = 1 + r + r^2 (P0 r^5 + ... + P5), Cephes' expf polynomial; both instruction sets use these.
+constexpr float EXP_LOWEST = -87.0f, LOG2E = 1.44269504088896341f, LN2_HI = 0.693359375f, LN2_LO = -2.12194440e-4f;
+constexpr float EXP_P[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f,
+                            1.6666665459e-1f, 5.0000001201e-1f};
+
+// exp(x) for x <= 0 (scores minus their maximum) on 16 lanes, 2^n by scalef.
 __attribute__((target("avx512f"))) inline __m512 exp_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+  x = _mm512_max_ps(x, _mm512_set1_ps(EXP_LOWEST));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(LOG2E)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_HI), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_LO), r);
+  __m512 p = _mm512_set1_ps(EXP_P[0]);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_P[1]));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_P[2]));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_P[3]));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_P[4]));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_P[5]));
   p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
   return _mm512_scalef_ps(p, n);
 }
@@ -101,17 +107,17 @@ void attend_avx512(const float* q, int64_t d, const float* k, const float* v, in
 
 // exp(x) for x <= 0 on 8 lanes: the same polynomial, 2^n built in the exponent bits (n >= -126 here).
 __attribute__((target("avx2,fma"))) inline __m256 exp_nonpositive_avx2(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+  x = _mm256_max_ps(x, _mm256_set1_ps(EXP_LOWEST));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(LOG2E)),
                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_HI), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_LO), r);
+  __m256 p = _mm256_set1_ps(EXP_P[0]);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_P[1]));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_P[2]));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_P[3]));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_P[4]));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_P[5]));
   p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
   const __m256i power = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(power));

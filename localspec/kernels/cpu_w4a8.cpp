@@ -36,8 +36,10 @@ constexpr int64_t block_inputs(int bits) { return bits == 4 ? GROUP : BYTE_GROUP
 constexpr int64_t code_bytes(int bits) { return bits == 6 ? 192 : 256; }
 // a whole block: codes, then 16 fp16 scales and 16 fp16 mins
 constexpr int64_t block_bytes(int bits) { return code_bytes(bits) + 64; }
-constexpr int64_t CODE_BYTES = 256;    // the 4- and 8-bit formats, which the tile unit's paths take
-constexpr int64_t BLOCK_BYTES = 320;
+// the tile unit's paths take the 4- and 8-bit formats only, whose blocks are the same size
+static_assert(code_bytes(4) == code_bytes(8), "the tile paths read both formats with one stride");
+constexpr int64_t CODE_BYTES = code_bytes(8);
+constexpr int64_t BLOCK_BYTES = block_bytes(8);
 // Blocks are asked for this many groups before they are read. The hardware prefetcher alone left
 // the cores waiting: measured on the 2-core VM over the 1.5B model's 28 layers of linears, 12
 // groups ahead took one row from 45.9 to 36.2 ms, 4 rows from 57 to 41 ms and 16 rows from 96 to

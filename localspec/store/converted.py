@@ -39,20 +39,23 @@ class Weights:
     cold: bool = False
 
 
-def load_snapshot(entry: ModelEntry, path: Path, dtype: torch.dtype):
-    """(model, tokenizer) from a verified hub download; unlike a cache it is never deleted here."""
+def load_snapshot(entry: ModelEntry, path: Path, dtype: torch.dtype | str):
+    """(model, tokenizer) from a verified hub download or the user's own folder (`dtype` "auto":
+    the files' own); unlike a cache it is never deleted here."""
     try:
         return _from_pretrained(entry, path, dtype)
     except LocalspecError:
         raise
     except Exception as exc:
+        if entry.folder is not None:
+            raise LocalspecError(f"cannot load {entry.name!r} from your folder {path}: {first_line(exc)}") from exc
         raise LocalspecError(
             f"cannot load the download of {entry.name!r} in {path} ({first_line(exc)}); "
             f"`localspec rm {entry.name}` and pull it again"
         ) from exc
 
 
-def _from_pretrained(entry: ModelEntry, path: Path, dtype: torch.dtype):
+def _from_pretrained(entry: ModelEntry, path: Path, dtype: torch.dtype | str):
     from transformers import AutoModelForCausalLM
 
     try:
@@ -62,7 +65,7 @@ def _from_pretrained(entry: ModelEntry, path: Path, dtype: torch.dtype):
         # Running out of memory says nothing about the files: the caller must not discard them.
         if is_out_of_memory(exc):
             raise LocalspecError(
-                f"not enough memory to load {entry.name} in {str(dtype).removeprefix('torch.')}: {exc}"
+                f"not enough memory to load {entry.name} in {str(dtype).removeprefix('torch.')} weights: {exc}"
             ) from exc
         raise
     # A missing tensor is not an error to transformers (it initialises it randomly), but it

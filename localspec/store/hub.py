@@ -24,7 +24,7 @@ from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
 import httpx2
-from huggingface_hub import HfApi, constants, get_hf_file_metadata, hf_hub_download, hf_hub_url
+from huggingface_hub import constants, get_hf_file_metadata, hf_hub_download, hf_hub_url
 from huggingface_hub.errors import (
     FileMetadataError,
     GatedRepoError,
@@ -34,13 +34,14 @@ from huggingface_hub.errors import (
     RepositoryNotFoundError,
     RevisionNotFoundError,
 )
+from huggingface_hub.utils import build_hf_headers, hf_raise_for_status
 from huggingface_hub.utils.tqdm import silent_tqdm
 
 from localspec.base.config import home_dir
 from localspec.base.errors import LocalspecError, first_line
 from localspec.base.files import inside, size_on_disk
 from localspec.store import gguf_mirror, paths
-from localspec.store.registry import ModelEntry, is_sha256, remove_user_model
+from localspec.store.registry import HUB_GGUF_FILE, HUB_GGUF_QUANT, ModelEntry, is_sha256, remove_user_model
 
 DISK_MARGIN = 1 << 30
 """Free space to leave on the disk after a download: a full disk breaks more than localspec."""
@@ -71,23 +72,44 @@ def _redacted(text: str) -> str:
     return text.replace(endpoint(), shown_endpoint())
 
 
-def pull(entry: ModelEntry, *, offline: bool = False, progress: bool = True) -> Pulled:
-    """Download the model (hub first, mirror when the hub is out of reach); a no-op once done."""
-    if entry.gguf is not None:
-        if not entry.gguf.is_file():
-            raise LocalspecError(f"{entry.name} is your file {entry.gguf}, which is no longer there")
-        return Pulled("your file", entry.gguf)
+def pull(entry: ModelEntry, *, offline: bool = False, progress: bool = True, weights: str = "auto") -> Pulled:
+    """Download the model (hub first, mirror when the hub is out of reach); a no-op once done.
+    An entry with a 4-bit GGUF on the hub (`gguf_hub`) takes it instead of its 16-bit files with
+    `weights="gguf"`, and with "auto" where the machine prefers it (machine.takes_gguf)."""
+    if entry.own is not None:
+        if not entry.own.exists():
+            raise LocalspecError(f"{entry.name} is your {'folder' if entry.folder else 'file'} {entry.own}, which is no longer there")
+        return Pulled("your folder" if entry.folder else "your file", entry.own)
     snapshot = paths.hub_snapshot(entry)
     if snapshot is not None:
         return Pulled("already downloaded", snapshot)
+    if (fetched := paths.fetched_gguf(entry)) is not None:
+        return Pulled("already downloaded", fetched)
     if offline or gguf_mirror.offline_mode():
         return _from_mirror(entry, "offline mode is on", progress, offline=True)
+    if entry.gguf_hub and weights != "float":
+        from localspec.store.machine import takes_gguf
+
+        why = "--weights gguf" if weights == "gguf" else takes_gguf(entry)
+        if why:
+            if progress:
+                print(f"localspec: {entry.name}: the hub's {entry.gguf_hub} ({why})", file=sys.stderr, flush=True)
+            try:
+                repo, file = hub_gguf(entry.gguf_hub)
+                path, _ = fetch_gguf(entry.name, repo, file, folder=paths.hub_gguf_dir(entry.name), progress=progress)
+            except _UnreachableHub as exc:
+                return _from_mirror(entry, str(exc), progress)
+            return Pulled("hub", path)
     try:
         sizes, hashes = _remote_files(entry)
     except _Unreachable as exc:
         return _from_mirror(entry, f"the Hugging Face Hub at {shown_endpoint()} cannot be reached ({exc})", progress)
+    _fetch(entry, paths.hub_dir(entry), sizes, hashes, progress)
+    return Pulled("hub", paths.mark_hub_snapshot(entry))
 
-    dest = paths.hub_dir(entry)
+
+def _fetch(entry: ModelEntry, dest: Path, sizes: dict[str, int], hashes: dict[str, str], progress: bool) -> None:
+    """Every file of the entry at its revision into `dest`, each checked against its sha256."""
     missing = sum(size for file, size in sizes.items() if not _same_size(dest / file, size))
     check_disk_space(dest, missing, entry.name)
     if progress:
@@ -99,18 +121,31 @@ def pull(entry: ModelEntry, *, offline: bool = False, progress: bool = True) -> 
     for file in entry.files:
         path = _download(entry, file, dest, progress)
         _verify(entry, file, path, entry.sha256.get(file) or hashes.get(file))
-    return Pulled("hub", paths.mark_hub_snapshot(entry))
 
 
 class _Unreachable(Exception):
     pass
 
 
-def fetch_gguf(name: str, repo: str, file: str, *, progress: bool = True) -> tuple[Path, str]:
-    """A GGUF of a hub repository, for `--model org/repo/file.gguf` (a split set's first part
-    brings every part): the revision the hub serves now is pinned (asked for first), the files
-    fetched into models/<name>/hub/ (resumable, checked against the hub's sha256); returns the
-    (first) file's path and that revision."""
+class _UnreachableHub(LocalspecError):
+    """The hub cannot be reached for a hub GGUF: one line, or the mirror where the model has one."""
+
+
+def hub_gguf(reference: str) -> tuple[str, str]:
+    """(repo, file) of a hub GGUF reference: `org/repo/file.gguf` as it is, `org/repo:QUANT` the
+    repository's file of that quantization (quant_file, which asks the hub)."""
+    if (match := HUB_GGUF_FILE.fullmatch(reference)) is not None:
+        return match["repo"], match["file"]
+    if (match := HUB_GGUF_QUANT.fullmatch(reference)) is not None:
+        return match["repo"], quant_file(match["repo"], match["quant"])
+    raise LocalspecError(f"{reference!r} is neither org/repo/file.gguf nor org/repo:QUANT")
+
+
+def fetch_gguf(name: str, repo: str, file: str, *, folder: Path, progress: bool = True) -> tuple[Path, str]:
+    """A GGUF of a hub repository (a split set's first part brings every part) into `folder`: the
+    revision the hub serves now is pinned (asked for first), the files fetched (resumable, checked
+    against the hub's sha256) and `folder/complete` written last, holding that revision and the
+    file's name; returns the (first) file's path and the revision."""
     probe = _probe(name, repo, file)
     url = hf_hub_url(repo, file, revision="main", endpoint=endpoint())
     try:
@@ -122,7 +157,13 @@ def fetch_gguf(name: str, repo: str, file: str, *, progress: bool = True) -> tup
     if not revision:
         raise LocalspecError(f"the hub at {shown_endpoint()} did not say which revision of {repo} it serves")
     pinned = dataclasses.replace(probe, revision=revision, files=split_parts(file))
-    return pull(pinned, progress=progress).path / file, revision
+    try:
+        sizes, hashes = _remote_files(pinned)
+    except _Unreachable as exc:
+        raise _unreachable_for(f"{repo}/{file}", exc) from None
+    _fetch(pinned, folder, sizes, hashes, progress)
+    paths.mark_fetched_gguf(folder, revision, file)
+    return folder / file, revision
 
 
 def quant_file(repo: str, quant: str) -> str:
@@ -131,11 +172,17 @@ def quant_file(repo: str, quant: str) -> str:
     None or several: one line naming what the repository has."""
     probe = _probe(repo, repo, f"*{quant}*.gguf")
     try:
-        listed = HfApi(endpoint=endpoint()).list_repo_files(repo, revision="main")
+        # the tree listing, asked once: list_repo_files would retry an unreachable hub for half a minute
+        response = httpx2.get(f"{endpoint()}/api/models/{repo}/tree/main", params={"recursive": "true"},
+                              headers=build_hf_headers(), timeout=constants.HF_HUB_ETAG_TIMEOUT, follow_redirects=True)
+        hf_raise_for_status(response)
+        listed = [item["path"] for item in response.json() if item.get("type") == "file"]
     except _UNREACHABLE as exc:
         raise _unreachable_for(f"{repo}:{quant}", exc) from None
     except (HfHubHTTPError, FileMetadataError) as exc:
         raise _hub_error(probe, "the file list", exc) from None
+    except (ValueError, TypeError, KeyError, AttributeError) as exc:
+        raise LocalspecError(f"{shown_endpoint()} does not answer like the Hugging Face Hub ({first_line(exc)})") from None
     ggufs = [f for f in listed if f.lower().endswith(".gguf")]
     if not ggufs:
         raise LocalspecError(f"{repo} has no .gguf files on the hub; localspec reads a hub model from its GGUF")
@@ -177,7 +224,7 @@ def _probe(name: str, repo: str, file: str) -> ModelEntry:
 
 
 def _unreachable_for(what: str, exc: Exception) -> LocalspecError:
-    return LocalspecError(f"the Hugging Face Hub at {shown_endpoint()} cannot be reached ({_redacted(first_line(exc))}); "
+    return _UnreachableHub(f"the Hugging Face Hub at {shown_endpoint()} cannot be reached ({_redacted(first_line(exc))}); "
                           f"download {what} yourself and pass its path")
 
 
@@ -278,11 +325,11 @@ def disk_size(entry: ModelEntry) -> int:
 
 def rm(entry: ModelEntry) -> int:
     """Delete everything localspec keeps for this model; returns the bytes freed. For the user's
-    own file: only what localspec made from it, and its registration (the file stays)."""
+    own file or folder: only what localspec made from it, and its registration (theirs stays)."""
     found = paths.local_paths(entry)
-    if entry.gguf is not None:
+    if entry.own is not None:
         remove_user_model(entry.name)
-    if not found and entry.gguf is None:
+    if not found and entry.own is None:
         raise LocalspecError(f"{entry.name} is not downloaded; nothing to remove")
     # the last guard before deleting: a name that slipped past the registry's check must not
     # reach above the model folders (`..` would be the whole home)

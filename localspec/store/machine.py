@@ -4,6 +4,7 @@ and the inputs of `--proposer auto`.
 - check_tokenizers: a draft's guesses must mean the same tokens to the target.
 - check_eagle_head: a published head is only valid on the target revision it was trained on.
 - free_memory: bytes free for weights and caches on the device generation runs on.
+- takes_gguf: whether `pull` takes a model's 4-bit GGUF from the hub rather than its 16-bit files.
 - situation: what is downloaded, the free memory and the local history (measurements.py), i.e.
   the facts proposer_catalog.rank_proposers weighs for `--proposer auto`.
 """
@@ -100,6 +101,20 @@ def free_memory(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
     return psutil.virtual_memory().available
+
+
+def takes_gguf(entry: ModelEntry) -> str:
+    """Why `pull` should fetch the entry's 4-bit GGUF rather than its 16-bit files, or "" when
+    the 16-bit files are the better choice: on a CPU the kernel multiplies the file's own 4-bit
+    numbers (the 16-bit files would be re-quantized, and are 3x the download); on a GPU or MPS,
+    where the 16-bit weights would not fit."""
+    device = loading.pick_device()
+    if device.type == "cpu":
+        return "on a CPU localspec runs the file's own 4-bit weights"
+    need, free = 1.2 * entry.memory_needed(), free_memory(device)
+    if need > free:
+        return f"its 16-bit weights need about {need / 1e9:.1f} GB, {free / 1e9:.1f} GB are free on {device.type}"
+    return ""
 
 
 def situation(registry: Registry, model: str) -> dict:

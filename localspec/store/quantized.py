@@ -1,4 +1,4 @@
-"""Quantized copies (int4 in groups, int8) of a hub download, made once from its float32 weights and read
+"""Quantized copies (int4 in groups, int8) of a hub download, made once from its float weights and read
 back memory-mapped into a model built on the meta device, so the first run computes with exactly
 the weights every later run loads. Beside each copy lies the kernel layout a run packs from it
 (w4a8 blocks, torch's int4 CPU layout), made the first time a run needs it."""
@@ -42,7 +42,9 @@ def load_quantized(entry: ModelEntry, run_as: str, snapshot: Path, progress: boo
     path = _quant_dir(entry, quant)
     weights = _load_quant_cache(entry, path, progress, run_as)
     if weights is None:
-        model, tokenizer = load_snapshot(entry, snapshot, torch.float32)
+        # in the file's own dtype, not float32: each linear is quantized from its float32 copy in
+        # turn, which is the same numbers, and a 16-bit 7B then needs 15 GB here rather than 30
+        model, tokenizer = load_snapshot(entry, snapshot, "auto")
         say(progress, f"quantizing {entry.name} to {quant} (once)")
         layout = quantization.quantize_model(model, quant, torch.device("cpu"))
         model.to(quantization.COMPUTE_DTYPE)  # what is left in float: norms, embedding, biases

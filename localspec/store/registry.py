@@ -26,11 +26,13 @@ else:  # pragma: no cover - exercised on 3.10 only
 SHIPPED_REGISTRY = Path(__file__).with_name("models.toml")
 _MODEL_KEYS = {
     "display", "arch", "hub_repo", "revision", "files", "sha256", "params", "size", "kv_per_token",
-    "drafts", "eagle_heads", "mirror", "paired", "gguf",
+    "drafts", "eagle_heads", "mirror", "paired", "gguf", "folder", "gguf_hub", "gguf_size",
 }
 _REQUIRED_KEYS = ("arch", "hub_repo", "revision", "files", "params", "size", "kv_per_token")
 _OWN_FILE_KEYS = ("arch", "gguf", "params", "size", "kv_per_token")
 """What an entry for the user's own GGUF file needs (`localspec run --model PATH` writes it)."""
+_OWN_FOLDER_KEYS = ("arch", "folder", "params", "size", "kv_per_token")
+"""What an entry for the user's own folder of safetensors needs (`localspec run --model DIR` writes it)."""
 _MIRROR_KEYS = {"file", "package", "version", "member", "parts", "size", "sha256"}
 _HEAD_KEYS = {"repo", "revision", "target_revision", "files"}
 _PAIRED_KEYS = {"proposer", "draft", "draft_len", "tokens_per_second", "speedup", "measured"}
@@ -106,6 +108,18 @@ class ModelEntry:
     paired: Paired | None = None
     gguf: Path | None = None
     """The user's own GGUF file (the first part of a split set): read in place, never moved or deleted."""
+    folder: Path | None = None
+    """The user's own folder of Hugging Face safetensors (config, weights, tokenizer): read in place."""
+    gguf_hub: str = ""
+    """A 4-bit GGUF of the same model on the hub (`org/repo:QUANT` or `org/repo/file.gguf`), which
+    `pull` takes instead of the 16-bit files where those would not fit, and on a CPU."""
+    gguf_size: int = 0
+    """Bytes of that GGUF (approximate)."""
+
+    @property
+    def own(self) -> Path | None:
+        """The user's own file or folder this entry reads in place (never localspec's to delete)."""
+        return self.gguf or self.folder
 
     def memory_needed(self, tokens: int = KV_BUDGET_TOKENS) -> int:
         """Bytes of weights plus a KV cache of `tokens`, at BYTES_PER_VALUE."""
@@ -162,7 +176,8 @@ _MODEL_TYPES = {
     "display": "a string", "arch": "a string", "hub_repo": "a string", "revision": "a string",
     "files": "a list of strings", "sha256": "a table", "params": "a number", "size": "an integer",
     "kv_per_token": "an integer", "drafts": "a list of strings", "eagle_heads": "a list of tables",
-    "mirror": "a table", "paired": "a table", "gguf": "a string",
+    "mirror": "a table", "paired": "a table", "gguf": "a string", "folder": "a string", "gguf_hub": "a string",
+    "gguf_size": "an integer",
 }
 _MIRROR_TYPES = {"file": "a string", "package": "a string", "version": "a string", "member": "a string",
                  "parts": "an integer", "size": "an integer", "sha256": "a string"}
@@ -173,6 +188,9 @@ _PAIRED_TYPES = {"proposer": "a string", "draft": "a string", "draft_len": "an i
 # What reaches pip's argument list: a distribution name (with the part number's {i}) and a
 # release number, neither able to pass for an option or a URL.
 _PACKAGE = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9._-]|\{i\})*")
+# A hub GGUF: one file of a repository, or the repository's file of one quantization (as llama.cpp's -hf)
+HUB_GGUF_FILE = re.compile(r"(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)/(?P<file>[\w./-]+\.gguf)")
+HUB_GGUF_QUANT = re.compile(r"(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+):(?P<quant>[\w.-]+)")
 _VERSION = re.compile(r"[0-9]+(?:\.[0-9]+)*(?:(?:a|b|rc|\.post|\.dev)[0-9]+)*")
 
 
@@ -193,14 +211,19 @@ def _entry(name: str, raw: dict, where: str) -> ModelEntry:
     what = f"model {name!r}"
     if not isinstance(raw, dict):
         raise LocalspecError(f"{where}: {what} must be a table, got {raw!r}")
-    own_file = "gguf" in raw
-    _check_keys(raw, _MODEL_KEYS, _OWN_FILE_KEYS if own_file else _REQUIRED_KEYS, what, where)
+    own = "gguf" if "gguf" in raw else "folder" if "folder" in raw else None
+    if "gguf" in raw and "folder" in raw:
+        raise LocalspecError(f"{where}: {what} names both a gguf file and a folder; keep one")
+    required = {"gguf": _OWN_FILE_KEYS, "folder": _OWN_FOLDER_KEYS}.get(own, _REQUIRED_KEYS)
+    _check_keys(raw, _MODEL_KEYS, required, what, where)
     _check_types(raw, _MODEL_TYPES, what, where)
     files = tuple(raw.get("files", ()))
-    if not files and not own_file:
+    if not files and own is None:
         raise LocalspecError(f"{where}: {what} lists no hub files")
-    if own_file and not Path(raw["gguf"]).is_absolute():
-        raise LocalspecError(f"{where}: {what}: gguf must be an absolute path, got {raw['gguf']!r}")
+    if own is not None and not Path(raw[own]).is_absolute():
+        raise LocalspecError(f"{where}: {what}: {own} must be an absolute path, got {raw[own]!r}")
+    if raw.get("gguf_hub") and not (HUB_GGUF_FILE.fullmatch(raw["gguf_hub"]) or HUB_GGUF_QUANT.fullmatch(raw["gguf_hub"])):
+        raise LocalspecError(f"{where}: {what}: gguf_hub must be org/repo:QUANT or org/repo/file.gguf, got {raw['gguf_hub']!r}")
     for file in files:
         _check_hub_file(file, what, where)
     sha256 = {}
@@ -262,7 +285,10 @@ def _entry(name: str, raw: dict, where: str) -> ModelEntry:
         eagle_heads=tuple(heads),
         mirror=mirror,
         paired=paired,
-        gguf=Path(raw["gguf"]) if own_file else None,
+        gguf=Path(raw["gguf"]) if own == "gguf" else None,
+        folder=Path(raw["folder"]) if own == "folder" else None,
+        gguf_hub=raw.get("gguf_hub", ""),
+        gguf_size=int(raw.get("gguf_size", 0)),
     )
 
 

@@ -28,7 +28,7 @@ from localspec.store import proposer_catalog
 from localspec.store.cleanup import discard_unused
 from localspec.store.loading import LoadedModel, load_model, pick_device, release_memory
 from localspec.store.machine import check_tokenizers, situation
-from localspec.store.paths import hub_snapshot
+from localspec.store.paths import fetched_gguf, hub_snapshot
 from localspec.store.measurements import (
     draft_format_key, dtype_key, load_calibration, measured_costs, measured_curves, save_calibration,
 )
@@ -199,8 +199,10 @@ def make_engine(
 
 
 def reads_gguf(entry: ModelEntry) -> bool:
-    """Whether the entry loads from a GGUF (the user's own, or the mirror's): no hub download here."""
-    return hub_snapshot(entry) is None and (entry.gguf is not None or entry.mirror is not None)
+    """Whether the entry loads from a GGUF (the user's own, one fetched from the hub, or the
+    mirror's): no download of 16-bit files here."""
+    return hub_snapshot(entry) is None and (entry.gguf is not None or entry.mirror is not None
+                                            or fetched_gguf(entry) is not None)
 
 
 def choose_quant(entry: ModelEntry, wanted: str, device: torch.device, dtype: str = "auto") -> tuple[str, str]:

