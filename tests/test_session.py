@@ -77,7 +77,7 @@ def test_a_measurement_edited_into_another_shape_is_measured_again(tmp_path, mon
     model = tiny_model()
     key = measurements.pass_cost_key("tiny", model)
     (tmp_path / "calibration.json").write_text(json.dumps({key: entry, measurements.dtype_key("t", None, "ngram"): []}))
-    monkeypatch.setattr(costs, "time_forward", lambda model, widths, context: {w: 0.5 for w in widths})
+    monkeypatch.setattr(costs, "time_passes", lambda model, widths, context: {w: [0.5, 0.5] for w in widths})
     assert measurements.measured_costs("tiny", model, (1,)) == {1: 0.5}
     assert measurements.load_calibration(key) == {"context=128": {"1": 0.5}}
     assert measurements.load_calibration(measurements.dtype_key("t", None, "ngram")) == {}

@@ -56,10 +56,28 @@ class CostModel:
         return _interpolate({c: _interpolate(curve, width) for c, curve in self.by_context.items()}, self.context)
 
 
-@torch.inference_mode()
+QUIET_SPREAD, QUIET_SLACK = 0.15, 1e-3
+"""Repeated passes agree when each width's median sample is within this fraction of its best (or
+this many seconds, for passes so short that timer jitter is the spread): beyond it the machine was
+busy with something else, and the costs say more about that than about the pass
+(measurements.measured_curves then keeps them for the run only)."""
+
+
 def time_forward(model: torch.nn.Module, widths: tuple[int, ...], repeats: int = 4, context: int = CALIBRATION_PREFIX,
                  target: TargetPass | None = None) -> dict[int, float]:
-    """Best-of-`repeats` seconds of one pass over `width` new tokens after `context` cached ones,
+    """Best-of-`repeats` seconds of one pass over `width` new tokens after `context` cached ones."""
+    return {width: min(samples) for width, samples in time_passes(model, widths, repeats, context, target).items()}
+
+
+def agree(samples: dict[int, list[float]]) -> bool:
+    """Whether repeated passes of each width took about the same time (see QUIET_SPREAD)."""
+    return all(sorted(s)[len(s) // 2] - min(s) <= max(QUIET_SPREAD * min(s), QUIET_SLACK) for s in samples.values())
+
+
+@torch.inference_mode()
+def time_passes(model: torch.nn.Module, widths: tuple[int, ...], repeats: int = 4, context: int = CALIBRATION_PREFIX,
+                target: TargetPass | None = None) -> dict[int, list[float]]:
+    """`repeats` timings (seconds) of one pass over `width` new tokens after `context` cached ones,
     through `target`, by default the `TargetPass` generation makes for `model` (attention, weights,
     CUDA graphs where they replay): the pass generation runs.
 
@@ -73,7 +91,7 @@ def time_forward(model: torch.nn.Module, widths: tuple[int, ...], repeats: int =
     prefix = torch.randint(0, vocab, (1, context), generator=gen)  # (1, context)
     kv = target.new_cache(context + max(widths))
     target(kv, prefix, torch.arange(context)[None], logit_rows=1)
-    best = {width: float("inf") for width in widths}
+    samples: dict[int, list[float]] = {width: [] for width in widths}
     for round_ in range(repeats + 1):  # round 0 is a warm-up
         for width in widths:
             ids = torch.randint(0, vocab, (1, width), generator=gen).to(target.device)  # (1, W)
@@ -83,9 +101,9 @@ def time_forward(model: torch.nn.Module, widths: tuple[int, ...], repeats: int =
             target(kv, ids, positions, logit_rows=width)
             _sync(target.device)
             if round_:
-                best[width] = min(best[width], time.perf_counter() - start)
+                samples[width].append(time.perf_counter() - start)
             kv.truncate(context)
-    return best
+    return samples
 
 
 def _sync(device: torch.device) -> None:

@@ -4,6 +4,7 @@ and the inputs of `--proposer auto`.
 - check_tokenizers: a draft's guesses must mean the same tokens to the target.
 - check_eagle_head: a published head is only valid on the target revision it was trained on.
 - free_memory: bytes free for weights and caches on the device generation runs on.
+- free_cores / fit_threads: the cores other programs leave free now, and the thread pool sized to them.
 - takes_gguf: whether `pull` takes a model's 4-bit GGUF from the hub rather than its 16-bit files.
 - situation: what is downloaded, the free memory and the local history (measurements.py), i.e.
   the facts proposer_catalog.rank_proposers weighs for `--proposer auto`.
@@ -11,11 +12,16 @@ and the inputs of `--proposer auto`.
 
 from __future__ import annotations
 
+import os
+import time
+from collections.abc import Callable
+
 import psutil
 import torch
 
 from localspec.store import loading, paths
 from localspec.store.measurements import load_history
+from localspec.store.progress import print_notice
 from localspec.store.registry import EagleHead, ModelEntry, Registry
 
 # A template is recognised by the marker that opens a turn.
@@ -101,6 +107,45 @@ def free_memory(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
     return psutil.virtual_memory().available
+
+
+def usable_cores() -> int:
+    """Cores this process may run on (its affinity where the OS says, else all)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not on Linux
+        return os.cpu_count() or 1
+
+
+THREADS = torch.get_num_threads()
+"""The thread pool torch sized at start (one per physical core, or the user's OMP_NUM_THREADS):
+the most fit_threads gives back on a quiet machine."""
+
+
+def free_cores(sample_seconds: float = 0.2) -> int:
+    """Of THREADS, the cores other processes leave free now: the machine's busy time over a short
+    sample, less this process's own, in whole cores (at least one)."""
+    me = psutil.Process()
+    me.cpu_percent(None)
+    psutil.cpu_percent(None)  # both count from here
+    time.sleep(sample_seconds)
+    logical = psutil.cpu_count() or 1
+    busy = psutil.cpu_percent(None) / 100 * logical  # logical cores' worth, machine-wide
+    others = max(0.0, busy - me.cpu_percent(None) / 100) * THREADS / max(usable_cores(), THREADS)
+    return max(1, THREADS - round(others))
+
+
+def fit_threads(say: Callable[[str], None] = print_notice) -> int:
+    """Size the CPU thread pool (torch's, which the compiled kernels share) to the free cores, so
+    that localspec's threads do not spin against another program's on a busy machine; call it
+    before loading (the calibration is keyed by the thread count) and between turns. Says so when
+    it changes the count; returns the threads now."""
+    threads = free_cores()
+    if threads != torch.get_num_threads():
+        torch.set_num_threads(threads)
+        say(f"other work keeps {THREADS - threads} of {THREADS} cores busy: localspec runs on {threads} thread(s)"
+            if threads < THREADS else f"the machine is quiet again: localspec runs on {threads} threads")
+    return threads
 
 
 def takes_gguf(entry: ModelEntry) -> str:

@@ -32,6 +32,7 @@ from localspec.kernels.cpu_build import sources_digest
 from localspec.runtime import costs
 from localspec.runtime.target_pass import TargetPass
 from localspec.store.loading import pick_device
+from localspec.store.progress import print_notice
 
 
 def _calibration_file() -> Path:
@@ -114,25 +115,37 @@ def draft_format_key(draft: str, dtype: torch.dtype, candidates: tuple[str, ...]
 
 
 def measured_curves(name: str, model: torch.nn.Module, widths: tuple[int, ...] = costs.WIDTHS,
-                    contexts: tuple[int, ...] = costs.CONTEXTS) -> dict[int, dict[int, float]]:
-    """Calibrated pass costs of a model as it runs, per context length and width (measured with
-    costs.time_forward the first time, then read from calibration.json)."""
+                    contexts: tuple[int, ...] = costs.CONTEXTS, say: Callable[[str], None] = print_notice,
+                    ) -> dict[int, dict[int, float]]:
+    """Calibrated pass costs of a model as it runs, per context length and width: measured with
+    costs.time_passes the first time, then read from calibration.json. A measurement is kept only
+    when its repeated passes agree (costs.agree), the second try included: on a machine busy with
+    other work the costs hold for this run only (`say` tells why), so that a busy moment does not
+    decide every later run."""
     key = pass_cost_key(name, model)
     cached = load_calibration(key)
     curves = {}
     for context in contexts:
         known = cached.get(f"context={context}")
         if not (isinstance(known, dict) and all(isinstance(known.get(str(w)), (int, float)) for w in widths)):
-            known = {str(w): s for w, s in costs.time_forward(model, widths, context=context).items()}
-            cached[f"context={context}"] = known
-            save_calibration(key, cached)
+            samples = costs.time_passes(model, widths, context=context)
+            if not costs.agree(samples):
+                samples = costs.time_passes(model, widths, context=context)
+            known = {str(w): min(s) for w, s in samples.items()}
+            if costs.agree(samples):
+                cached[f"context={context}"] = known
+                save_calibration(key, cached)
+            else:
+                say(f"this machine is busy with other work: {name}'s pass costs measured now are used for this run "
+                    "only, and measured again next time")
         curves[context] = {w: known[str(w)] for w in widths}
     return curves
 
 
-def measured_costs(name: str, model: torch.nn.Module, widths: tuple[int, ...] = costs.WIDTHS) -> dict[int, float]:
+def measured_costs(name: str, model: torch.nn.Module, widths: tuple[int, ...] = costs.WIDTHS,
+                   say: Callable[[str], None] = print_notice) -> dict[int, float]:
     """Calibrated pass costs after the shortest calibration context (a draft step, a dtype choice)."""
-    return measured_curves(name, model, widths, costs.CONTEXTS[:1])[costs.CONTEXTS[0]]
+    return measured_curves(name, model, widths, costs.CONTEXTS[:1], say)[costs.CONTEXTS[0]]
 
 
 # --- what generations measured here ------------------------------------------------------------

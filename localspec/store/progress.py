@@ -13,7 +13,12 @@ from typing import Iterator
 def say(progress: bool, message: str) -> None:
     """One line on stderr (never stdout, which carries the answer) when progress is wanted."""
     if progress:
-        print(f"localspec: {message}", file=sys.stderr, flush=True)
+        print_notice(message)
+
+
+def print_notice(message: str) -> None:
+    """One line on stderr, never stdout, which carries the answer."""
+    print(f"localspec: {message}", file=sys.stderr, flush=True)
 
 
 @contextlib.contextmanager

@@ -1,0 +1,43 @@
+"""A busy machine: the thread pool is sized to the cores other programs leave free (a real busy
+loop in another process takes one), and given back when they are free again."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from localspec.store import machine
+
+
+@pytest.fixture
+def threads():
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.skipif(machine.THREADS < 2, reason="one core: nothing to leave to another program")
+def test_a_busy_loop_in_another_process_takes_one_core_from_the_pool(threads):
+    loop = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.5)  # the loop is running
+        said = []
+        assert machine.fit_threads(said.append) == torch.get_num_threads() < machine.THREADS
+        assert said and "cores busy" in said[0]
+    finally:
+        loop.kill()
+        loop.wait()
+
+
+def test_the_pool_follows_the_free_cores_and_says_so_only_when_it_changes(threads, monkeypatch):
+    said = []
+    for free, expected in ((machine.THREADS, 0), (1, 1), (1, 1), (machine.THREADS, 2)):
+        monkeypatch.setattr(machine, "free_cores", lambda free=free: free)
+        assert machine.fit_threads(said.append) == free == torch.get_num_threads()
+        assert len(said) == (expected if machine.THREADS > 1 else 0)
+    if machine.THREADS > 1:
+        assert "runs on 1 thread" in said[0] and "quiet again" in said[1]
