@@ -64,10 +64,10 @@ class Gated:
     def __getattr__(self, name):
         return getattr(self.engine, name)
 
-    def generate(self, prompt, sampling, limits):
+    def generate(self, prompt, sampling, limits, **options):
         run = {"start": time.monotonic(), "end": None, "passes": 0}
         self.runs.append(run)
-        inner = self.engine.generate(prompt, sampling, limits)
+        inner = self.engine.generate(prompt, sampling, limits, **options)
         try:
             while True:
                 if self.held:
@@ -209,8 +209,8 @@ class EventsOnly:
     def encode(self, *args, **kw):
         return self.engine.encode(*args, **kw)
 
-    def generate(self, prompt, sampling, limits):
-        for event in self.engine.generate(prompt, sampling, limits):
+    def generate(self, prompt, sampling, limits, **options):
+        for event in self.engine.generate(prompt, sampling, limits, **options):
             if isinstance(event, FinalEvent):
                 self.finals.append(event.stats)
             yield event
@@ -245,7 +245,14 @@ BAD = [
     ("/v1/chat/completions", {**OK, "n": 2}, 400, "'n' must be 1"),
     ("/v1/chat/completions", {**OK, "top_p": 0}, 400, "'top_p' must be a number in (0, 1]"),
     ("/v1/chat/completions", {**OK, "stop": ["", "x"]}, 400, "'stop' must be"),
-    ("/v1/chat/completions", {**OK, "logprobs": True}, 400, "'logprobs' is not supported"),
+    ("/v1/chat/completions", {**OK, "top_logprobs": 2}, 400, "'top_logprobs' needs 'logprobs': true"),
+    ("/v1/chat/completions", {**OK, "logprobs": True, "top_logprobs": 21}, 400, "'top_logprobs' must be an integer from 0 to 20"),
+    ("/v1/chat/completions", {**OK, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "does not render tools"),
+    ("/v1/chat/completions", {**OK, "tool_choice": "required"}, 400, "'tool_choice' needs 'tools'"),
+    ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "42"}]}, 400, "needs the 'tool_call_id'"),
+    ("/v1/completions", {"prompt": "xyz", "logprobs": 6}, 400, "'logprobs' must be an integer from 0 to 5"),
+    ("/v1/completions", {"prompt": "xyz", "max_tokens": 0}, 400, "'max_tokens' must be an integer from 1"),
+    ("/v1/completions", {"prompt": [1, 2, 96]}, 400, "token ids must be integers from 0 to 95"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a" * 600}]}, 400, "context window is 512 tokens"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a" * 70_000}]}, 413, "limit of 65536 bytes"),
     ("/v1/completions", {"prompt": 5}, 400, "'prompt' must be a string"),

@@ -12,13 +12,19 @@ stayed), learn (the policy credits each part's guesses). Words: a draft's nodes 
 the ones the target agrees with are "accepted"; the target's own token after them ends every pass.
 An out-of-memory pass is retried with half the nodes (and drafts stay that small); a pass cut short
 puts the cache back to the committed tokens; a proposer that fails is dropped with a notice.
+
+Log-probabilities, only when a generation asks for them (`logprobs`): the verify pass has the
+target's logits at every position it commits (row 0 after the root, row node + 1 after an accepted
+node), so each emitted token carries its exact log-probability under the target, whatever drafted
+it. `echo` adds the prompt's own tokens; scored, they need every prompt row's logits, which the
+prefill otherwise skips (`_prefill`'s `scored`).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -28,7 +34,7 @@ from localspec.core.policy import DraftPolicy, Proposal
 from localspec.core.prompt import chat_ids, check_ids, check_text
 from localspec.core.proposers.base import Proposer
 from localspec.core.proposers.ngram import NgramProposer
-from localspec.core.sampling import make_generator
+from localspec.core.sampling import Likelihood, likelihoods, make_generator
 from localspec.core.stats import GenerationStats, Opening, PassFigures
 from localspec.core.tree import Draft, verify_inputs, visible_rows
 from localspec.core.verify import verify
@@ -48,6 +54,9 @@ class Piece:
     token_id: int
     from_draft: bool
     """True when a proposer guessed this token and the target accepted it."""
+    likelihood: Likelihood | None = None
+    """The token's log-probability under the target, when the generation asked for them (and a
+    prompt token has one: the first has nothing before it)."""
 
 
 @dataclass
@@ -57,6 +66,8 @@ class TokenEvent:
 
     pieces: list[Piece] = field(default_factory=list)
     figures: PassFigures = PassFigures()
+    echoed: list[Piece] = field(default_factory=list, kw_only=True)
+    """On the first event of an `echo` generation: the prompt's own tokens, before the answer's."""
 
     @property
     def text(self) -> str:
@@ -132,7 +143,7 @@ class StopScanner:
                 self.released += len(piece.text)
             elif cut:
                 keep = max(end - self.released, 0)
-                out.append(Piece(piece.text[:keep], piece.token_id, piece.from_draft))
+                out.append(replace(piece, text=piece.text[:keep]))
                 self.held.clear()
                 self.released += keep
             else:
@@ -168,6 +179,8 @@ class Engine:
         self.proposer = proposer
         self.costs = costs
         self.context_len = context_len or model.config.max_position_embeddings
+        self.vocab_size = model.config.vocab_size
+        """Token ids the model reads (a prompt sent as ids is checked against it)."""
         self.proposer_reason = proposer_reason
         self.eos = eos_ids(model, tokenizer) if tokenizer is not None else set()
         self.target_pass = TargetPass(model, notify=lambda notice: self.stats.notices.append(notice))
@@ -193,16 +206,19 @@ class Engine:
 
     # -- prompt ---------------------------------------------------------------------------------
 
-    def encode(self, prompt: str | list[dict], system: str | None = None) -> list[int]:
-        """A prompt string or a list of chat messages -> token ids through the chat template."""
-        return chat_ids(self.tokenizer, prompt, system)
+    def encode(self, prompt: str | list[dict], system: str | None = None, tools: list[dict] | None = None) -> list[int]:
+        """A prompt string or a list of chat messages (and the tools it may call) -> token ids through
+        the chat template."""
+        return chat_ids(self.tokenizer, prompt, system, tools)
 
     # -- the step --------------------------------------------------------------------------------
 
-    def _speculative_step(self, tokens: list[int], room: int, sampling: SamplingConfig, generator) -> tuple[list[int], int]:
+    def _speculative_step(self, tokens: list[int], room: int, sampling: SamplingConfig, generator,
+                          logprobs: int | None = None) -> tuple[list[int], int, list[Likelihood] | None]:
         """One target pass, top to bottom: plan the draft, verify it and take the target's own next
-        token in the same pass, commit what was accepted, learn. Returns the accepted guesses and
-        the target's token (room: tokens the answer may still take)."""
+        token in the same pass, commit what was accepted, learn. Returns the accepted guesses, the
+        target's token and, with `logprobs` (alternatives per token), the likelihoods of those
+        tokens (room: tokens the answer may still take)."""
         started = self.clock()
         past = len(self.kv)  # every committed token but the last, the root
         if self.costs is not None:
@@ -228,8 +244,10 @@ class Engine:
         # 3. the acceptance rule: the path the target agrees with (greedy, or lossless rejection sampling), then its own token
         verdict = verify(draft, logits, sampling, generator)
         accepted = [draft.tokens[node] for node in verdict.accepted]
+        rows = [0] + [node + 1 for node in verdict.accepted]  # the pass rows each committed token was read from
+        scored = None if logprobs is None else likelihoods(logits[rows], [*accepted, verdict.next_token], logprobs)
         # 4. commit: the root and the accepted path stay in the cache (pass rows 0 and node + 1), the rejected nodes go
-        self._commit(past, [tokens[-1], *accepted], [0] + [node + 1 for node in verdict.accepted])
+        self._commit(past, [tokens[-1], *accepted], rows)
         verified = self.clock()
         # 5. learn: the policy credits each part's guesses; the statistics and the kill switch count the pass
         own = self.policy.learn(proposal, accepted, verified - started)  # the model's own accepted guesses, or None
@@ -242,7 +260,7 @@ class Engine:
             self.stats.lookup_accepted += len(accepted)
         if self.policy.guard is not None and (notice := self.policy.guard.record(len(draft), len(accepted) + 1, verified - started)):
             self.stats.notices.append(notice)
-        return accepted, verdict.next_token
+        return accepted, verdict.next_token, scored
 
     # -- what the step is made of -----------------------------------------------------------------
 
@@ -277,17 +295,42 @@ class Engine:
             self.proposer = self.lookup = None
             return fallback
 
-    def _prefill(self, tokens: list[int]) -> None:
-        """Bring the cache to hold tokens[:-1], reusing the longest prefix it already holds."""
+    def _prefill(self, tokens: list[int], scored: int | None = None) -> list[Likelihood]:
+        """Bring the cache to hold tokens[:-1], reusing the longest prefix it already holds. With
+        `scored` (alternatives per token) every row's logits are kept and the likelihoods of
+        tokens[1:] returned; the cache is then filled from the start, since a reused prefix has no logits."""
         prompt = tokens[:-1]
-        reused = self.kv_tokens.follow(prompt)
+        reused = self.kv_tokens.follow(prompt if scored is None else [])
+        found: list[Likelihood] = []
         for start in range(reused, len(prompt), PREFILL_CHUNK):
             chunk = prompt[start : start + PREFILL_CHUNK]
             ids = torch.tensor([chunk], dtype=torch.long)  # (1, C)
             positions = torch.arange(start, start + len(chunk))[None]  # (1, C)
             with prompt_pass():
-                self._pass(ids, positions, logit_rows=1)
+                logits = self._pass(ids, positions, logit_rows=1 if scored is None else len(chunk))  # (1 or C, V)
+            if scored is not None:  # row i: the distribution of the token after chunk[i]
+                found += likelihoods(logits, tokens[start + 1 : start + 1 + len(chunk)], scored)
             self._commit(start, chunk, None)
+        return found
+
+    def _echo(self, tokens: list[int], scored: list[Likelihood] | None) -> list[Piece]:
+        """The prompt's tokens as pieces, with their likelihoods when scored (the first has none)."""
+        detok = Detokenizer(self.tokenizer, []) if self.tokenizer is not None else None
+        found = [None, *scored] if scored is not None else [None] * len(tokens)
+        return [Piece(detok.push(token) if detok else "", token, False, likelihood) for token, likelihood in zip(tokens, found)]
+
+    @torch.inference_mode()
+    def score(self, prompt: list[int], logprobs: int | None = None) -> Iterator[TokenEvent]:
+        """The prompt alone, no answer (`echo` with max_tokens 0): one FinalEvent whose `echoed`
+        pieces are the prompt's tokens, each with its likelihood when `logprobs` asks for them."""
+        cached = 0 if logprobs is not None else common_prefix(self.kv_tokens.ids, prompt[:-1])  # scored: prefilled from the start
+        stats = self.stats = GenerationStats(proposer=self.proposer_name, reason=self.proposer_reason, prompt_tokens=len(prompt),
+                                             cached_tokens=cached, stop_reason="max tokens")
+        started = self.clock()
+        scored = self._prefill(prompt, logprobs)
+        stats.prefill_seconds = self.clock() - started
+        yield FinalEvent(figures=PassFigures(elapsed=stats.prefill_seconds, notices=tuple(stats.notices)), stats=stats,
+                         echoed=self._echo(prompt, None if logprobs is None else scored))
 
     @torch.inference_mode()
     def generate(
@@ -296,19 +339,24 @@ class Engine:
         sampling: SamplingConfig = SamplingConfig(),
         limits: GenerationLimits = GenerationLimits(),
         system: str | None = None,
+        logprobs: int | None = None,
+        echo: bool = False,
     ) -> Iterator[TokenEvent]:
         """Stream the answer: one TokenEvent per target pass (its pieces may be empty while a stop
         string or an unfinished character holds text back), so a consumer (the server on a
         disconnect, the chat's stop key) can stop between any two passes. Each event carries its
-        pass's figures, the last one (a FinalEvent) the finished statistics."""
+        pass's figures, the last one (a FinalEvent) the finished statistics. `logprobs`: each piece
+        also carries its token's likelihood with that many alternatives; `echo`: the first event
+        also carries the prompt's tokens (scored too, with `logprobs`)."""
         if isinstance(prompt, str):
             check_text(prompt)
         tokens = list(prompt) if prompt and isinstance(prompt[0], int) else self.encode(prompt, system)
         check_ids(tokens, self.context_len)
         generator = make_generator(sampling.seed, self.device)
+        scoring = logprobs if echo else None  # the prompt's own tokens scored: a prefill that keeps nothing cached
         stats = self.stats = GenerationStats(
             proposer=self.proposer_name, reason=self.proposer_reason, prompt_tokens=len(tokens),
-            cached_tokens=common_prefix(self.kv_tokens.ids, tokens[:-1]),  # what the prefill will keep
+            cached_tokens=0 if scoring is not None else common_prefix(self.kv_tokens.ids, tokens[:-1]),  # what the prefill will keep
         )
         budget = min(limits.max_new_tokens, self.context_len - len(tokens))
         detok = Detokenizer(self.tokenizer, tokens) if self.tokenizer is not None else None
@@ -316,25 +364,27 @@ class Engine:
         produced = 0
 
         started = self.clock()
-        self._prefill(tokens)
+        scored = self._prefill(tokens, scoring)
+        echoed = self._echo(tokens, scored if scoring is not None else None) if echo else []
         stats.prefill_seconds = self.clock() - started
         opening = Opening(stats.proposer, stats.reason, stats.prompt_tokens, stats.cached_tokens, stats.prefill_seconds)
         noticed = 0  # notices already on an event (one raised in the prefill goes on the first)
         while True:
             before, produced_before = stats.counted(), produced  # the step counts into stats
-            accepted, next_token = self._speculative_step(tokens, budget - produced, sampling, generator)
+            accepted, next_token, found = self._speculative_step(tokens, budget - produced, sampling, generator, logprobs)
             plain = (len(accepted) + 1) * self.costs.verify(1) if self.costs is not None else 0.0
 
             new = [(token, True) for token in accepted] + [(next_token, False)]
             pieces: list[Piece] = []
             stop = ""
-            for token, from_draft in new:
+            for i, (token, from_draft) in enumerate(new):
                 if token in self.eos:
                     stop = "eos"
                     break
                 tokens.append(token)
                 produced += 1
-                pieces += scanner.push(Piece(detok.push(token) if detok else "", token, from_draft))
+                likelihood = found[i] if found is not None else None
+                pieces += scanner.push(Piece(detok.push(token) if detok else "", token, from_draft, likelihood))
                 if scanner.stopped:
                     stop = "stop string"
                     break
@@ -353,7 +403,8 @@ class Engine:
             stats.advance(figures)
             if stop:
                 stats.stop_reason = stop
-                yield FinalEvent(pieces, figures, stats)
+                yield FinalEvent(pieces, figures, stats, echoed=echoed)
                 return
             # every pass, even one whose text is held back: a consumer can stop between any two
-            yield TokenEvent(pieces, figures)
+            yield TokenEvent(pieces, figures, echoed=echoed)
+            echoed = []

@@ -1,8 +1,9 @@
 """A prompt, from what a user typed to the token ids a generation starts from, and whether it can start.
 
-- `chat_text` / `chat_ids`: a prompt string or a list of chat messages through the tokenizer's chat
-  template; a tokenizer without one reads the messages' contents, one per line, as plain text
-  (with the tokenizer's own special tokens, BOS included, as any plain text gets them). The engine,
+- `chat_text` / `chat_ids`: a prompt string or a list of chat messages (and the tools a chat may
+  call) through the tokenizer's chat template; a tokenizer without one reads the messages'
+  contents, one per line, as plain text (with the tokenizer's own special tokens, BOS included, as
+  any plain text gets them). The engine,
   the EAGLE trainer's data and the benchmark's llama.cpp prompts all come through here, so each
   model sees a prompt the same way wherever it is built.
 - `check_text` / `check_ids`: the one refusal of a prompt no generation can start from (empty, or
@@ -67,9 +68,11 @@ def chat_text(tokenizer, prompt: str | list[dict], system: str | None = None) ->
     return "\n".join(m["content"] for m in messages)
 
 
-def chat_ids(tokenizer, prompt: str | list[dict], system: str | None = None) -> list[int]:
-    """The chat's token ids, ready for the answer."""
+def chat_ids(tokenizer, prompt: str | list[dict], system: str | None = None, tools: list[dict] | None = None) -> list[int]:
+    """The chat's token ids, ready for the answer; `tools` (OpenAI's function definitions) are
+    rendered by the template itself, as the model was trained to read them."""
     if _has_template(tokenizer):
-        ids = tokenizer.apply_chat_template(chat_messages(prompt, system), add_generation_prompt=True, tokenize=True)
+        offered = {"tools": tools} if tools else {}  # only then: a template call without the keyword stays as it was
+        ids = tokenizer.apply_chat_template(chat_messages(prompt, system), add_generation_prompt=True, tokenize=True, **offered)
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)  # transformers 5 returns a BatchEncoding
     return list(tokenizer.encode(chat_text(tokenizer, prompt, system)))

@@ -1,11 +1,14 @@
-"""Logits -> probabilities under the user's sampling settings, and drawing tokens from them.
+"""Logits -> probabilities under the user's sampling settings, and drawing tokens from them; and
+logits -> the log-probabilities a client may ask for (`likelihoods`).
 
 Target and draft go through the same transform, so the acceptance rule compares like with like.
 Everything stays on the logits' device (the generator too); what the host needs is read back in
-one go (`read_token`).
+one go (`read_token`, `likelihoods`).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -28,6 +31,27 @@ def probs_from_logits(logits: torch.Tensor, sampling: SamplingConfig) -> torch.T
         drop = drop_sorted.scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits.softmax(dim=-1)
+
+
+@dataclass(frozen=True, slots=True)
+class Likelihood:
+    """The target's log-probability of one token where it stands, and the likeliest tokens there."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+    """(token id, log-probability) of the most likely tokens at that position, most likely first."""
+
+
+def likelihoods(logits: torch.Tensor, tokens: list[int], top: int) -> list[Likelihood]:
+    """logits (T, V), row t the distribution tokens[t] came from -> each token's log-probability
+    under the model's raw distribution (log_softmax of the logits: no temperature, top-k or top-p,
+    as OpenAI reports them), with the `top` most likely tokens of its row."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)  # (T, V)
+    chosen = logprobs.gather(1, torch.tensor(tokens, device=logprobs.device)[:, None])  # (T, 1)
+    best = logprobs.topk(top, dim=-1)  # values and indices (T, top)
+    # one read; ids are exact in float32 below 2**24
+    rows = torch.cat((chosen, best.values, best.indices.float()), dim=1).tolist()  # (T, 1 + 2 top)
+    return [Likelihood(row[0], tuple(zip(map(int, row[1 + top :]), row[1 : 1 + top]))) for row in rows]
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:

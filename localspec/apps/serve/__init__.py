@@ -14,6 +14,8 @@ the same `GenerationStats` that `/metrics` adds up, so the two always agree.
 Rooms: `config` (the server's settings, the local-only default, the API key and CORS),
 `requests` (request bodies checked into sampling settings, refusals as OpenAI error objects),
 `turns` (the single stream: the engine thread, the slot and its queue, disconnects), `metrics`
-(`timings` and the Prometheus counters), `api` (the endpoints and their SSE), `app` (the ASGI app,
-the socket, and the command that serves until Ctrl-C).
+(`timings` and the Prometheus counters), `tools` (tool definitions to the chat template, the
+model's calls read back from its text), `logprobs` (the engine's log-probabilities in OpenAI's two
+shapes), `api` (the endpoints and their SSE), `app` (the ASGI app, the socket, and the command that
+serves until Ctrl-C).
 """

@@ -1,6 +1,7 @@
 """What a request may ask: its JSON body, checked against OpenAI's fields and ranges, becomes the
-messages or prompt and the engine's sampling settings and limits; a refusal is an `ApiError`,
-answered as an OpenAI error object (so are unknown paths, wrong methods and internal errors)."""
+messages or prompt, the engine's sampling settings and limits, and the log-probabilities wanted; a
+refusal is an `ApiError`, answered as an OpenAI error object (so are unknown paths, wrong methods and
+internal errors). Tools are checked in `tools`."""
 
 from __future__ import annotations
 
@@ -21,6 +22,9 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "
 
 MAX_STOPS = 32
 """Editors send a handful of stop strings for code completion; more than this is a mistake."""
+
+MAX_TOP_LOGPROBS = {True: 20, False: 5}
+"""Alternatives per token OpenAI allows, by endpoint (chat: `top_logprobs`; completions: `logprobs`)."""
 
 
 class ApiError(Exception):
@@ -83,6 +87,26 @@ def _text(content, where: str) -> str:
     raise ApiError(400, f"{where}: 'content' must be a string or a list of text parts", "messages")
 
 
+def _tool_calls(calls, where: str) -> list[dict]:
+    """An assistant message's earlier tool calls, for the template: arguments as the object they
+    encode, since templates write them with `tojson` (a JSON string would be quoted twice)."""
+    if not isinstance(calls, list):
+        raise ApiError(400, f"{where}: 'tool_calls' must be a list", "messages")
+    out = []
+    for j, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise ApiError(400, f"{where}: tool_calls[{j}] must be {{id, type, function: {{name, arguments}}}}", "messages")
+        arguments = function.get("arguments")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except json.JSONDecodeError:
+                pass  # not JSON: the model said it so; the template writes it as it stands
+        out.append({"id": call.get("id"), "type": "function", "function": {"name": function["name"], "arguments": arguments}})
+    return out
+
+
 def parse_messages(body: dict) -> list[dict]:
     messages = body.get("messages")
     if not isinstance(messages, list):
@@ -94,32 +118,63 @@ def parse_messages(body: dict) -> list[dict]:
         if not isinstance(m, dict):
             raise ApiError(400, f"messages[{i}] must be an object with 'role' and 'content'", "messages")
         role = "system" if m.get("role") == "developer" else m.get("role")
-        if role not in ("system", "user", "assistant"):
-            raise ApiError(400, f"messages[{i}]: role must be system, developer, user or assistant, got {json.dumps(m.get('role'))[:40]}", "messages")
+        if role not in ("system", "user", "assistant", "tool"):
+            raise ApiError(400, f"messages[{i}]: role must be system, developer, user, assistant or tool, got {json.dumps(m.get('role'))[:40]}", "messages")
         content = m.get("content")
-        out.append({"role": role, "content": "" if content is None and role == "assistant" else _text(content, f"messages[{i}]")})
+        message = {"role": role, "content": "" if content is None and role == "assistant" else _text(content, f"messages[{i}]")}
+        if role == "assistant" and m.get("tool_calls"):
+            message["tool_calls"] = _tool_calls(m["tool_calls"], f"messages[{i}]")
+        if role == "tool":
+            if not isinstance(m.get("tool_call_id"), str):
+                raise ApiError(400, f"messages[{i}]: a tool message needs the 'tool_call_id' it answers", "messages")
+            message["tool_call_id"] = m["tool_call_id"]
+        out.append(message)
     return out
 
 
-def parse_prompt(body: dict, name: str) -> str:
+def parse_prompt(body: dict, name: str, vocab: int | None = None) -> str | list[int]:
+    """A prompt's text; with `vocab`, also token ids (as lm-evaluation-harness sends), each below it."""
     value = body.get(name)
-    if isinstance(value, list) and len(value) == 1:  # OpenAI also takes a batch; one prompt is one
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):  # OpenAI also takes a batch; one prompt is one
         value = value[0]
+    if vocab is not None and isinstance(value, list) and value:
+        if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab for i in value):
+            raise ApiError(400, f"'{name}' as token ids must be integers from 0 to {vocab - 1}", name)
+        return value
     if not isinstance(value, str):
-        raise ApiError(400, f"'{name}' must be a string", name)
+        raise ApiError(400, f"'{name}' must be a string" + (" or a list of token ids" if vocab is not None else ""), name)
     return value
 
 
-def parse_settings(body: dict, model: str, context_len: int) -> tuple[SamplingConfig, GenerationLimits]:
-    """The sampling and stopping fields both endpoints share, checked with OpenAI's ranges."""
+def parse_echo(body: dict) -> bool:
+    """Completions' `echo`: the prompt's own tokens before the answer (scored with `logprobs`)."""
+    return bool(_typed(body, "echo", (bool,), "true or false"))
+
+
+def parse_logprobs(body: dict, chat: bool) -> int | None:
+    """How many alternatives per token a request wants with its log-probabilities; None: none asked.
+    Chat asks with `logprobs: true` and `top_logprobs`, completions with `logprobs: N`."""
+    most = MAX_TOP_LOGPROBS[chat]
+    if not chat:
+        return _number(body, "logprobs", 0, most, integer=True)
+    top = _number(body, "top_logprobs", 0, most, integer=True)
+    if not _typed(body, "logprobs", (bool,), "true or false"):
+        if top is not None:
+            raise ApiError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs")
+        return None
+    return top or 0
+
+
+def parse_settings(body: dict, model: str, context_len: int, prompt_only: bool = False) -> tuple[SamplingConfig, GenerationLimits | None]:
+    """The sampling and stopping fields both endpoints share, checked with OpenAI's ranges. With
+    `prompt_only` (an echo), `max_tokens: 0` asks for the prompt alone: limits None."""
     name = body.get("model")
     if name is not None and name != model:
         raise ApiError(404, f"model {json.dumps(name)[:80]} is not served here; this server runs {model!r}", "model", "model_not_found")
     if _number(body, "n", 1, 128, integer=True) not in (None, 1):
         raise ApiError(400, "'n' must be 1: one answer per request", "n")
-    for unsupported in ("logprobs", "echo", "tools", "functions"):
-        if body.get(unsupported):
-            raise ApiError(400, f"'{unsupported}' is not supported by localspec", unsupported)
+    if body.get("functions"):
+        raise ApiError(400, "'functions' is not supported by localspec; send them as 'tools'", "functions")
     for penalty in ("frequency_penalty", "presence_penalty"):
         if _number(body, penalty, -2, 2):
             raise ApiError(400, f"'{penalty}' is not supported by localspec (only 0)", penalty)
@@ -128,7 +183,7 @@ def parse_settings(body: dict, model: str, context_len: int) -> tuple[SamplingCo
     if options is not None:
         _typed(options, "include_usage", (bool,), "true or false")
     chosen = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    max_tokens = _number(body, chosen, 1, context_len, integer=True)
+    max_tokens = _number(body, chosen, 0 if prompt_only else 1, context_len, integer=True)
     temperature = _number(body, "temperature", 0, 2)
     top_p = _number(body, "top_p", 0, 1, low_open=True)
     top_k = _number(body, "top_k", 0, 1 << 30, integer=True)
@@ -141,6 +196,8 @@ def parse_settings(body: dict, model: str, context_len: int) -> tuple[SamplingCo
         temperature=1.0 if temperature is None else float(temperature), top_k=top_k or 0,
         top_p=1.0 if top_p is None else float(top_p), seed=seed,
     )
+    if max_tokens == 0:
+        return sampling, None
     return sampling, GenerationLimits(max_tokens or context_len, tuple(stops))
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -18,7 +18,8 @@ from starlette.requests import Request
 from localspec.apps.serve.config import ServeConfig
 from localspec.apps.serve.metrics import Metrics
 from localspec.apps.serve.requests import ApiError, fim_ids
-from localspec.base.config import GenerationLimits, SamplingConfig
+from localspec.apps.serve.logprobs import TokenTexts
+from localspec.core.engine import TokenEvent
 from localspec.core.prompt import PromptRefused, check_ids
 from localspec.core.stats import GenerationStats
 
@@ -31,8 +32,8 @@ class Served:
 
     name: str
     engine: object
-    """An `Engine` (or anything with its generate / encode / tokenizer / context_len); the numbers
-    come from the events `generate` yields."""
+    """An `Engine` (or anything with its generate / score / encode / tokenizer / context_len /
+    vocab_size, as a request needs them); the numbers come from the events `generate` yields."""
     about: str = ""
     """Proposer and dtype, and why: printed in the ready line."""
 
@@ -80,10 +81,11 @@ class Turn:
         """Final statistics and finish reason, set on the engine thread before the last item is queued."""
         self.ended = False
 
-    def begin(self, ids: list[int], sampling: SamplingConfig, limits: GenerationLimits) -> None:
+    def begin(self, ids: list[int], start: Callable[[list[int]], Iterator[TokenEvent]]) -> None:
+        """Start the answer: `start` makes the engine's events for the prompt's ids (nothing runs
+        until the engine thread asks for the first)."""
         self.queue = asyncio.Queue()
-        events = self.service.served.engine.generate(ids, sampling, limits)
-        self.service.pool.submit(self._run, events, len(ids), asyncio.get_running_loop())
+        self.service.pool.submit(self._run, start(ids), len(ids), asyncio.get_running_loop())
 
     def _run(self, events, prompt_tokens: int, loop: asyncio.AbstractEventLoop) -> None:
         """On the engine thread: every pass's event to the queue, then None (or the exception)."""
@@ -142,6 +144,8 @@ class Service:
         self.created = int(time.time())
         self.metrics = Metrics()
         self.fim: tuple[int, int, int] | None = None
+        self.token_texts: TokenTexts | None = None
+        """The model's tokens as log-probabilities name them, learnt as answers pass."""
         self.waiting = 0
         self.current: Turn | None = None
         """The turn holding the engine."""
@@ -164,6 +168,7 @@ class Service:
         try:
             served = self.load()
             self.fim = fim_ids(served.engine.tokenizer)
+            self.token_texts = TokenTexts(served.engine.tokenizer)
             self.served = served
         except Exception as exc:  # the CLI's loader reports and stops the server; /health shows it
             self.failure = str(exc) or type(exc).__name__
@@ -192,9 +197,10 @@ class Service:
             raise ApiError(503, f"the model failed to load: {self.failure}" if self.failure else "the model is still loading; try again shortly")
         return self.served
 
-    async def turn(self, request: Request, prompt: Callable[[], list[int]], sampling: SamplingConfig,
-                   limits: GenerationLimits) -> Turn:
-        """Wait for the engine (429 if the queue is full), then encode the prompt there and check it."""
+    async def turn(self, request: Request, prompt: Callable[[], list[int]],
+                   start: Callable[[list[int]], Iterator[TokenEvent]]) -> Turn:
+        """Wait for the engine (429 if the queue is full), then encode the prompt there, check it,
+        and start the answer (`Turn.begin`)."""
         if self.lock.locked() and self.waiting >= self.config.queue:
             with self.metrics.lock:
                 self.metrics.rejected += 1
@@ -214,7 +220,7 @@ class Service:
                 check_ids(ids, self.served.engine.context_len, self.served.name)
             except PromptRefused as refused:
                 raise ApiError(400, str(refused), code="context_length_exceeded" if refused.too_long else None) from None
-            turn.begin(ids, sampling, limits)
+            turn.begin(ids, start)
         except BaseException:
             turn.end()
             raise
