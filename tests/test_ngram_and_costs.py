@@ -117,6 +117,9 @@ def test_a_calibration_made_while_the_machine_is_busy_holds_for_the_run_only(tmp
     import localspec.runtime.costs as costs
 
     monkeypatch.setenv("LOCALSPEC_HOME", str(tmp_path))
+    from localspec.store import measurements
+
+    monkeypatch.setattr(measurements, "_BUSY_SAID", set())
     said, tries = [], []
     busy = {1: [0.010, 0.031, 0.029, 0.012], 2: [0.020, 0.021, 0.020, 0.020]}  # width 1's median 2.9x its best
     quiet = {1: [0.011, 0.011, 0.012, 0.011], 2: [0.020, 0.021, 0.020, 0.020]}
@@ -128,6 +131,8 @@ def test_a_calibration_made_while_the_machine_is_busy_holds_for_the_run_only(tmp
     model = tiny_model("llama")
     assert measured_costs("tiny", model, (1, 2), say=said.append) == {1: 0.010, 2: 0.020}
     assert len(tries) == 2 and len(said) == 1 and "busy" in said[0] and not load_calibrations()
+    measured_costs("tiny", model, (1, 2), say=said.append)
+    assert len(said) == 1, "said once"
     tries.clear()
     monkeypatch.setattr(costs, "time_passes", passes(quiet))
     assert measured_costs("tiny", model, (1, 2), say=said.append) == {1: 0.011, 2: 0.020}

@@ -42,10 +42,7 @@ from localspec.runtime.attention import RowPlan
 from localspec.runtime.costs import CostModel
 from localspec.runtime.kv import CachedTokens, common_prefix
 from localspec.runtime.quant import prompt_pass
-from localspec.runtime.target_pass import TargetPass
-
-PREFILL_CHUNK = 512
-"""Prompt tokens per prefill pass: bounds the attention scratch memory of long prompts."""
+from localspec.runtime.target_pass import PREFILL_CHUNK, TargetPass
 
 
 @dataclass

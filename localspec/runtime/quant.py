@@ -211,7 +211,10 @@ def install_w4a8(model: torch.nn.Module, sources: dict[str, BlockSource], blocks
     for names in groups:
         key = "+".join(names)
         members = [sources[n] for n in names]
-        blocks = stored[key] if stored is not None else torch.cat([m.pack() for m in members])
+        if stored is not None:
+            blocks = stored[key]
+        else:  # one member's own buffer as it is: a copy of a 7B's output layer would be half a GB more at the peak
+            blocks = members[0].pack() if len(members) == 1 else torch.cat([m.pack() for m in members])
         packed[key] = blocks
         for name, layer in zip(names, cpu_w4a8.fuse(members, kernel, blocks)):
             replace_module(model, name, layer)

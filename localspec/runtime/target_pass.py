@@ -38,6 +38,10 @@ def graph_capture(device: torch.device) -> Capture | None:
     return cuda_capture if device.type == "cuda" else None
 
 
+PREFILL_CHUNK = 512
+"""Prompt tokens per prefill pass: bounds the attention scratch memory of long prompts."""
+
+
 class TargetPass:
     def __init__(self, model: torch.nn.Module, notify: Callable[[str], None] = lambda notice: None) -> None:
         """`notify` hears once, in one line, why graph replays stopped (a capture failed, hooks)."""

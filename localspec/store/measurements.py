@@ -114,6 +114,9 @@ def draft_format_key(draft: str, dtype: torch.dtype, candidates: tuple[str, ...]
     return f"draft-quant|{draft}|{dtype}|{'+'.join(candidates)}|{_runtime()}|torch={torch.__version__}"
 
 
+_BUSY_SAID: set[str] = set()
+
+
 def measured_curves(name: str, model: torch.nn.Module, widths: tuple[int, ...] = costs.WIDTHS,
                     contexts: tuple[int, ...] = costs.CONTEXTS, say: Callable[[str], None] = print_notice,
                     ) -> dict[int, dict[int, float]]:
@@ -135,7 +138,8 @@ def measured_curves(name: str, model: torch.nn.Module, widths: tuple[int, ...] =
             if costs.agree(samples):
                 cached[f"context={context}"] = known
                 save_calibration(key, cached)
-            else:
+            elif key not in _BUSY_SAID:  # once per model and run, not once per measurement
+                _BUSY_SAID.add(key)
                 say(f"this machine is busy with other work: {name}'s pass costs measured now are used for this run "
                     "only, and measured again next time")
         curves[context] = {w: known[str(w)] for w in widths}
