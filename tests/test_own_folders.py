@@ -132,3 +132,20 @@ def test_a_folder_that_is_no_model_is_one_line_and_nothing_is_registered(tmp_pat
     assert main(["run", "--model", str(folder), "--max-new-tokens", "1", "hi"]) == 2
     assert message in capsys.readouterr().err
     assert "mine" not in load_registry().models and digest(folder) == before
+
+
+def test_a_folder_cannot_take_the_name_of_a_registered_file_or_a_shipped_model(tmp_path):
+    from gguf_files import tiny_gguf_model, write_gguf
+
+    gguf = write_gguf(tiny_gguf_model("llama"), tmp_path / "tiny.gguf")
+    own_models.resolve(str(gguf), "mine")
+    folder = tmp_path / "folder"
+    save_folder(folder)
+    for taken in ("mine", "smollm2-135m"):
+        with pytest.raises(LocalspecError, match="already a model of the registry"):
+            own_models.resolve(str(folder), taken)
+    assert load_registry().get("mine").gguf == gguf
+    other = tmp_path / "other"
+    save_folder(other)
+    assert own_models.resolve(str(folder), "f") == own_models.resolve(str(other), "f") == "f"
+    assert load_registry().get("f").folder == other, "a folder's name may move to another folder"

@@ -41,6 +41,7 @@ from localspec.base.config import home_dir
 from localspec.base.errors import LocalspecError, first_line
 from localspec.base.files import inside, size_on_disk
 from localspec.store import gguf_mirror, paths
+from localspec.store.progress import say
 from localspec.store.registry import HUB_GGUF_FILE, HUB_GGUF_QUANT, ModelEntry, is_sha256, remove_user_model
 
 DISK_MARGIN = 1 << 30
@@ -92,8 +93,7 @@ def pull(entry: ModelEntry, *, offline: bool = False, progress: bool = True, wei
 
         why = "--weights gguf" if weights == "gguf" else takes_gguf(entry)
         if why:
-            if progress:
-                print(f"localspec: {entry.name}: the hub's {entry.gguf_hub} ({why})", file=sys.stderr, flush=True)
+            say(progress, f"{entry.name}: the hub's {entry.gguf_hub} ({why})")
             try:
                 repo, file = hub_gguf(entry.gguf_hub)
                 path, _ = fetch_gguf(entry.name, repo, file, folder=paths.hub_gguf_dir(entry.name), progress=progress)

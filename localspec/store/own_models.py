@@ -54,10 +54,11 @@ def resolve(reference: str | None, name: str | None = None) -> str | None:
         if entry.own is not None and str(entry.own) == text and (name is None or name == entry.name):
             return entry.name
     name = check_name(name, "--name") if name is not None else derived_name(path)
-    kind = "folder" if path.is_dir() else "gguf"
-    if name in registry.models and (registry.models[name].own is None or kind not in _own_keys(registry.models[name])):
+    registered = registry.models.get(name)
+    # a name may move to another file (or folder) of the same kind, never take over any other entry
+    if registered is not None and (registered.own is None or (registered.folder is not None) != path.is_dir()):
         raise LocalspecError(f"{name!r} is already a model of the registry; choose another with --name")
-    if kind == "folder":
+    if path.is_dir():
         body = folder_body(path, shown)
     else:
         from localspec.store.gguf_model import GGUFSource
@@ -65,10 +66,6 @@ def resolve(reference: str | None, name: str | None = None) -> str | None:
         body = entry_body(GGUFSource(path, own_file_root(name) / "gguf" / "header.json"), text)
     save_user_model(name, body)
     return name
-
-
-def _own_keys(entry) -> tuple[str, ...]:
-    return ("gguf",) if entry.gguf is not None else ("folder",)
 
 
 def _register_hub_file(reference: str, name: str | None) -> str:
