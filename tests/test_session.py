@@ -8,9 +8,10 @@ import torch
 from conftest import CharTokenizer, tiny_model
 from localspec.base.config import SpecConfig
 from localspec.base.errors import LocalspecError
+from localspec.base.reasons import Reason
 from localspec.store import session
 from localspec.store.loading import LoadedModel
-from localspec.store.proposer_catalog import Candidate
+from localspec.store.proposer_catalog import PROMPT_LOOKUP, Candidate
 from localspec.store.registry import load_registry
 
 CPU = torch.device("cpu")
@@ -62,7 +63,50 @@ def test_the_first_line_says_float32_ran(fast_int8_cpu, monkeypatch):
     entry = load_registry().get(FOUR_BIT)
     target, draft, reason = session.load_models(entry, None, "ngram", "float32", SpecConfig(), quiet=True)
     assert loads == [(torch.float32, "none")] and draft is None
-    assert reason == "--dtype float32"
+    assert reason == "--dtype float32" and reason.short == "float32"
+
+
+@pytest.mark.parametrize(
+    "from_gguf, kernel, exact_int8, free, quant, short, full",
+    [
+        (True, "AVX2", True, 64e9, "auto", "w4a8 · file's own 4/6/8-bit · AVX2 kernel", "by localspec's AVX2 kernel"),
+        (True, None, True, 64e9, "auto", "int4 · file's own 4-bit", "nothing re-quantized"),
+        (False, None, True, 64e9, "auto", "w8a8 · exact int8 on this CPU", "multiplies int8 exactly (VNNI)"),
+        (False, None, False, 3e9, "auto", "int8 · 16-bit weights do not fit", "(16-bit weights (3.1 GB) do not fit in 3.0 GB free)"),
+        (False, None, False, 1e9, "auto", "int4 · 8-bit weights do not fit", "even 8-bit weights do not fit in 1.0 GB free"),
+        (True, "AVX2", True, 64e9, "w8a8", "w8a8 · asked for", "(--quant w8a8)"),
+    ],
+)
+def test_the_weights_reason_in_a_few_words_and_in_full(monkeypatch, from_gguf, kernel, exact_int8, free, quant, short, full):
+    from conftest import assert_at_a_glance
+
+    monkeypatch.setattr(session, "reads_gguf", lambda entry: from_gguf)
+    monkeypatch.setattr(session, "_w4a8_kernel_name", lambda: kernel)
+    monkeypatch.setattr(session, "w8a8_supported", lambda: exact_int8)
+    monkeypatch.setattr(session, "load_model", lambda entry, dtype, quant="none", device=None, progress=True:
+                        LoadedModel(entry.name, tiny_model(), CharTokenizer(), dtype, CPU, 512, 0.0, False))
+    monkeypatch.setattr(session, "pick_device", lambda: CPU)
+    monkeypatch.setattr(session.psutil, "virtual_memory", lambda: Memory(free))
+    entry = load_registry().get(FOUR_BIT)
+    target, _, reason = session.load_models(entry, None, "ngram", "auto", SpecConfig(quant=quant), quiet=True)
+    assert reason.short == short and full in reason
+    assert_at_a_glance(reason.short)
+    opened = session.Session(entry, load_registry(), target, None, reason)
+    assert opened.weights_choice.short == f"{short} · cpu" and opened.weights_choice == f"weights: {reason}, on cpu"
+    assert_at_a_glance(opened.weights_choice.short)
+
+
+def test_the_dtype_reason_in_a_few_words(monkeypatch):
+    entry = load_registry().get(FOUR_BIT)
+    spec = SpecConfig()
+    figures = "measured float32 9.00 tok/s, bfloat16 12.00 tok/s -> bfloat16"
+    monkeypatch.setattr(session, "load_calibration", lambda key: {"dtype": "bfloat16", "reason": figures})
+    dtype, reason = session.choose_dtype(entry, None, "ngram", spec, CPU, quiet=True)
+    assert dtype == torch.bfloat16 and reason == figures and reason.short == "bfloat16 · measured faster here"
+    for native, expected in ((True, (torch.bfloat16, "bfloat16")), (False, (torch.float16, "float16"))):
+        monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: native)
+        dtype, reason = session.choose_dtype(entry, None, "ngram", spec, torch.device("cuda"), quiet=True)
+        assert (dtype, reason.short) == expected and "(" not in reason
 
 
 @pytest.mark.parametrize("entry", [[], "x", {"context=128": []}, {"context=128": {"1": "fast"}}])
@@ -99,7 +143,8 @@ def test_pass_costs_are_keyed_by_what_runs_the_pass(monkeypatch):
 # -- opening: one walk down the catalog's candidates -----------------------------------------------
 
 TARGET, DRAFT = "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"  # a registered pair
-PROMPT_LOOKUP = "prompt lookup needs no extra model"
+HEAD_HERE = Reason("an EAGLE head is here", "head here")
+DRAFT_FITS = Reason("the draft fits", "draft fits")
 
 
 def loaded(name: str, model) -> LoadedModel:
@@ -126,7 +171,7 @@ def opening(tmp_path, monkeypatch):
             if draft_entry is not None and draft_out_of_memory:
                 raise torch.OutOfMemoryError("simulated: no room for the draft")
             draft = loaded(draft_entry.name, tiny_model("qwen2", seed=1, layers=1)) if draft_entry else None
-            return loaded(entry.name, tiny_model("qwen2")), draft, "test"
+            return loaded(entry.name, tiny_model("qwen2")), draft, Reason("test weights", "test")
 
         monkeypatch.setattr(session, "rank_proposers", lambda *a, **k: ranked)
         monkeypatch.setattr(session, "load_models", load_models)
@@ -138,46 +183,49 @@ def opening(tmp_path, monkeypatch):
 
 
 def test_a_head_that_fails_to_load_gives_way_to_the_next_candidate_on_the_same_target(opening, capsys):
-    ranked = [Candidate("eagle", "an EAGLE head is here"), Candidate("ngram", PROMPT_LOOKUP, passed_over=("no registered draft",))]
+    no_draft = Reason("no registered draft", "no draft registered")
+    ranked = [Candidate("eagle", HEAD_HERE), Candidate("ngram", PROMPT_LOOKUP, passed_over=(no_draft,))]
     opened, loads = opening(ranked)
     assert opened.proposer == "ngram" and opened.engine.proposer_name == "ngram"
     assert loads == [None], "the target loaded for the head runs prompt lookup"
     assert opened.reason.startswith(f"{PROMPT_LOOKUP} (the EAGLE head here cannot be loaded: the EAGLE head in ")
     assert opened.reason.endswith("; no registered draft)") and "\n" not in opened.reason
     assert opened.engine.proposer_reason == opened.reason
+    assert opened.reason.short == "no draft registered", "in short, why the nearest one above was left out"
     said = capsys.readouterr().err
     assert "localspec: the EAGLE head here cannot be loaded: " in said and said.rstrip().endswith("; using prompt lookup instead")
 
 
 def test_a_draft_out_of_memory_gives_way_and_the_target_is_loaded_alone(opening, capsys):
-    ranked = [Candidate("draft", "the draft fits", DRAFT), Candidate("ngram", PROMPT_LOOKUP)]
+    ranked = [Candidate("draft", DRAFT_FITS, DRAFT), Candidate("ngram", PROMPT_LOOKUP)]
     opened, loads = opening(ranked, draft_out_of_memory=True)
     assert (opened.proposer, opened.draft) == ("ngram", None) and loads == [DRAFT, None]
     why = f"the draft {DRAFT} did not fit in memory (simulated: no room for the draft)"
-    assert opened.reason == f"{PROMPT_LOOKUP} ({why})"
+    assert opened.reason == f"{PROMPT_LOOKUP} ({why})" and opened.reason.short == f"draft {DRAFT} did not fit in memory"
     assert f"localspec: {why}; using prompt lookup instead" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("requested", ["auto", "draft"])
 def test_under_auto_a_draft_that_cannot_pay_gives_way_and_is_dropped(opening, capsys, requested):
-    ranked = [Candidate("draft", "the draft fits", DRAFT), Candidate("ngram", PROMPT_LOOKUP)]
+    ranked = [Candidate("draft", DRAFT_FITS, DRAFT), Candidate("ngram", PROMPT_LOOKUP)]
     opened, loads = opening(ranked, requested, draft_step=0.06)
     assert loads == [DRAFT], "prompt lookup runs on the target already loaded"
     if requested == "draft":  # asked for: kept
         assert opened.proposer == "draft" and opened.draft is not None and opened.reason == "the draft fits"
+        assert opened.proposer_choice.short == f"draft {DRAFT} · draft fits"
         return
     assert (opened.proposer, opened.draft) == ("ngram", None)
     why = ("the draft's measured step (60 ms) against the target's one-token pass (30 ms) cannot beat plain "
            "decoding even at 70% acceptance")
-    assert opened.reason == f"{PROMPT_LOOKUP} ({why})"
+    assert opened.reason == f"{PROMPT_LOOKUP} ({why})" and opened.reason.short == "draft too slow here: 60 ms a step"
     assert f"{why}; using prompt lookup instead" in capsys.readouterr().err
 
 
 def test_each_candidate_passed_over_is_named_where_it_ranked(opening, capsys):
     ranked = [
-        Candidate("eagle", "an EAGLE head is here"),
-        Candidate("draft", "the draft fits", DRAFT, passed_over=("first left out",)),
-        Candidate("ngram", PROMPT_LOOKUP, passed_over=("first left out", "second left out")),
+        Candidate("eagle", HEAD_HERE),
+        Candidate("draft", DRAFT_FITS, DRAFT, passed_over=(Reason("first left out", "first"),)),
+        Candidate("ngram", PROMPT_LOOKUP, passed_over=(Reason("first left out", "first"), Reason("second left out", "second"))),
     ]
     opened, loads = opening(ranked, draft_step=0.06)
     assert opened.proposer == "ngram"
@@ -193,19 +241,36 @@ def test_each_candidate_passed_over_is_named_where_it_ranked(opening, capsys):
 
 def test_the_last_candidate_fails_as_it_is_and_other_failures_are_not_passed_over(opening):
     with pytest.raises(LocalspecError, match="the EAGLE head in .* cannot be used for"):
-        opening([Candidate("eagle", "--proposer eagle was asked for")], requested="eagle")
-    ranked = [Candidate("draft", "the draft fits", DRAFT), Candidate("ngram", PROMPT_LOOKUP)]
+        opening([Candidate("eagle", Reason("--proposer eagle was asked for", "asked for"))], requested="eagle")
+    ranked = [Candidate("draft", DRAFT_FITS, DRAFT), Candidate("ngram", PROMPT_LOOKUP)]
     with pytest.raises(RuntimeError, match="size mismatch"):
         opening(ranked, error=RuntimeError("size mismatch for lm_head.weight"))
 
 
+def explained(text: str) -> Reason:
+    return Reason(text, f"{text} in short")
+
+
 def test_a_reason_after_refusals_keeps_the_ranking_order():
-    first = Candidate("eagle", "head", passed_over=("a",))
-    second = Candidate("draft", "draft", "d", passed_over=("a", "b"))
-    last = Candidate("ngram", "lookup", passed_over=("a", "b", "c"))
+    first = Candidate("eagle", explained("head"), passed_over=(explained("a"),))
+    second = Candidate("draft", explained("draft"), "d", passed_over=(explained("a"), explained("b")))
+    last = Candidate("ngram", explained("lookup"), passed_over=(explained("a"), explained("b"), explained("c")))
     assert last.reason == "lookup (a; b; c)"
-    assert last.reason_after([(first, "head failed"), (second, "draft failed")]) == "lookup (a; head failed; b; draft failed; c)"
+    assert last.reason_after([(first, explained("head failed")), (second, explained("draft failed"))]) == "lookup (a; head failed; b; draft failed; c)"
     assert (first.title, second.title, last.title) == ("the EAGLE head", "draft d", "prompt lookup")
+
+
+def test_a_short_reason_is_the_candidates_own_unless_it_stands_in_for_those_above():
+    head = Candidate("eagle", explained("head"))
+    draft = Candidate("draft", explained("draft"), "d", passed_over=(explained("a"),))
+    lookup = Candidate("ngram", explained("lookup"), passed_over=(explained("a"), explained("b")))
+    assert draft.reason.short == "draft in short", "a model proposer runs on its own merit"
+    assert lookup.reason.short == "b in short", "prompt lookup runs because the nearest above it was left out"
+    assert lookup.reason_after([(head, explained("head failed")), (draft, explained("draft failed"))]).short == "b in short"
+    assert lookup.reason_after([(draft, explained("draft failed"))]).short == "b in short"
+    assert Candidate("ngram", explained("lookup")).reason.short == "lookup in short", "nothing above it: its own"
+    refused_last = Candidate("ngram", explained("lookup"), passed_over=(explained("a"),))
+    assert refused_last.reason_after([(draft, explained("draft failed"))]).short == "draft failed in short"
 
 
 # -- switching the proposer on the weights in hand ---------------------------------------------------
@@ -227,15 +292,17 @@ def ngram_session(opening, monkeypatch):
 def test_switching_to_the_draft_loads_it_as_opening_does_then_closes_the_old_engine(ngram_session):
     opened, seen = ngram_session
     old, statuses = opened.engine, []
-    engine = opened.switch_proposer("draft", SpecConfig(), "draft was chosen", statuses.append)
+    engine = opened.switch_proposer("draft", SpecConfig(), explained("draft was chosen"), statuses.append)
     assert engine is opened.engine is not old and engine.proposer_name == "draft"
     assert (opened.proposer, opened.reason, opened.draft.name) == ("draft", "draft was chosen", DRAFT)
+    assert opened.proposer_choice.short == f"draft {DRAFT} · draft was chosen in short"
     assert seen["drafts"] == [(DRAFT, torch.float32, False)], "through load_draft (its measured format), at the target's dtype, as loud as the opening"
     assert seen["checked"] == [(TARGET, DRAFT)] and seen["discarded"] == [(opened.target, opened.draft)]
     assert seen["closed"] == ["ngram"]
     assert statuses == [f"loading draft model {DRAFT}", "measuring pass costs (cached after the first time)"]
-    opened.switch_proposer("ngram", SpecConfig(), "back")
+    opened.switch_proposer("ngram", SpecConfig(), explained("back"))
     assert opened.draft is not None and len(seen["drafts"]) == 1, "the draft stays loaded for the next switch"
+    assert opened.proposer_choice.short == "ngram · back in short", "the draft loaded beside it is not named"
 
 
 def test_a_refused_switch_leaves_the_old_engine_working(ngram_session, monkeypatch):
@@ -243,9 +310,9 @@ def test_a_refused_switch_leaves_the_old_engine_working(ngram_session, monkeypat
     old = opened.engine
     monkeypatch.setattr(session, "check_tokenizers", lambda *a: "token 7 is 'a' in x but 'b' in y")
     with pytest.raises(LocalspecError, match="token 7 is 'a' in x but 'b' in y; the draft proposer cannot pair them"):
-        opened.switch_proposer("draft", SpecConfig(), "draft was chosen")
+        opened.switch_proposer("draft", SpecConfig(), explained("draft was chosen"))
     with pytest.raises(LocalspecError, match="the EAGLE head in .* cannot be used for"):
-        opened.switch_proposer("eagle", SpecConfig(), "eagle was chosen")
+        opened.switch_proposer("eagle", SpecConfig(), explained("eagle was chosen"))
     assert opened.engine is old and (opened.proposer, opened.draft) == ("ngram", None) and seen["closed"] == []
 
 
@@ -255,5 +322,7 @@ def test_the_chat_switches_through_the_session(ngram_session):
     opened, seen = ngram_session
     backend = SessionBackend(load_registry(), session=opened)
     shown = backend.open(ChatSettings(model=TARGET, spec=SpecConfig(proposer="draft")), lambda stage: None)
-    assert shown.engine is opened.engine and shown.proposer == "draft" and shown.reason == "draft was chosen in the chat"
+    assert shown.engine is opened.engine and shown.proposer == "draft"
+    assert shown.proposer_choice == "draft proposer: draft was chosen in the chat"
+    assert shown.proposer_choice.short == f"draft {DRAFT} · chosen here" and shown.weights.short == "test · cpu"
     assert seen["drafts"] and seen["checked"] and seen["closed"] == ["ngram"]

@@ -19,6 +19,7 @@ import pytest
 from rich.console import Console
 from textual.widgets import Markdown, Static, TextArea
 
+from conftest import assert_at_a_glance
 from localspec.apps.pairing import Candidate
 from localspec.apps.tui import streaming
 from localspec.apps.tui.app import LocalspecApp
@@ -209,6 +210,16 @@ async def test_the_chat_opens_with_malformed_history_and_shows_markup_characters
         assert app.is_running and app.return_code is None
 
 
+async def test_the_panel_opens_with_the_model_its_weights_and_the_proposer_in_a_few_words(tmp_path):
+    app = make_app(tmp_path)
+    async with app.run_test(size=(150, 45)) as pilot:
+        await settle(pilot)
+        rows = [" ".join(line.split()) for line in shown(app.chat.query_one("#engine", Static)).splitlines() if line.strip()]
+        assert rows == [f"model {MODEL}", "weights float32 · cpu", "proposer ngram · fake engine"]
+        for part in (app.loaded.weights.short, app.loaded.proposer_choice.short):
+            assert_at_a_glance(part)
+
+
 def test_statistics_show_what_prompt_lookup_added_only_when_it_added_something():
     def text(stats) -> str:
         console = Console(width=200, file=io.StringIO(), record=True)
@@ -347,6 +358,10 @@ async def test_model_picker_and_help(tmp_path):
         assert "ctrl+j" in help_text and "Stop" in help_text
         await pilot.press("escape")
         await pilot.press("f3")
+        # the side panel's few words, and one key away the model screen's full reasons
+        loaded = app.loaded
+        why = shown(app.screen.query_one("#why", Static))
+        assert str(loaded.weights) in why and str(loaded.proposer_choice) in why
         names = list(app.backend.registry.models)
         target = names.index("qwen2.5-coder-0.5b")
         app.screen.query_one("#models").highlighted = target
@@ -489,6 +504,15 @@ def test_snapshot_help(tmp_path, snap_compare):
     async def run_before(pilot):
         await settle(pilot)
         await pilot.press("f1")
+        steady(pilot)
+
+    assert snap_compare(make_app(tmp_path), terminal_size=(150, 45), run_before=run_before)
+
+
+def test_snapshot_model_screen(tmp_path, snap_compare):
+    async def run_before(pilot):
+        await settle(pilot)
+        await pilot.press("f3")
         steady(pilot)
 
     assert snap_compare(make_app(tmp_path), terminal_size=(150, 45), run_before=run_before)

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import json
 import platform
-import resource
 import sys
 import time
 from dataclasses import dataclass, replace
 from importlib import resources
 from pathlib import Path
 
+import psutil
 import torch
 
 from localspec.apps.llamacpp import LlamaCpp, measured_run, ratios
@@ -72,9 +72,17 @@ def machine_info() -> dict:
     return info
 
 
-def peak_memory_mb(device: torch.device) -> float:
+def peak_memory_mb(device: torch.device) -> float | None:
+    """This process's peak so far: CUDA's allocations on a GPU; else the peak resident set, from
+    getrusage on POSIX and psutil's peak working set on Windows (which has no `resource`); None
+    where neither is known."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
+    try:
+        import resource
+    except ImportError:
+        peak = getattr(psutil.Process().memory_info(), "peak_wset", None)
+        return peak / 2**20 if peak is not None else None
     scale = 1 if sys.platform == "darwin" else 1024  # ru_maxrss is bytes on macOS, KiB on Linux
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale / 2**20
 

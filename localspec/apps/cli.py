@@ -72,6 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     run.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
     run.add_argument("--quiet", action="store_true", help="no progress or notices on stderr")
+    run.add_argument("--verbose", action="store_true",
+                     help="after the first line's few words, why these weights and this proposer in full")
 
     bench = sub.add_parser("bench", help="compare proposers and transformers' generate on a prompt set")
     _add_model_options(bench)
@@ -181,7 +183,9 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     session = open_session(args.model, args.proposer, args.dtype, spec, quiet=args.quiet or args.json)
     if not (args.quiet or args.json):
-        print(f"localspec: {session.proposer} proposer: {session.reason}; dtype: {session.dtype_reason}", file=sys.stderr)
+        print(f"localspec: {session.entry.name}; {session.summary}", file=sys.stderr)
+        if args.verbose:
+            print(f"localspec: {session.weights_choice}\nlocalspec: {session.proposer_choice}", file=sys.stderr)
     text = []
     stats = GenerationStats(session.proposer, session.reason)  # what an answer stopped before its first pass reports
     try:
@@ -202,7 +206,9 @@ def cmd_run(args: argparse.Namespace) -> int:
                 "proposer": session.proposer, "dtype": str(session.target.dtype).removeprefix("torch."),
                 "target_weights": describe_weights(session.target),
                 "draft_weights": describe_weights(session.draft) if session.draft else None,
-                "dtype_reason": session.dtype_reason, "draft_len": args.draft_len,
+                "dtype_reason": session.dtype_reason, "device": session.target.device.type,
+                "weights_short": session.weights_choice.short, "proposer_short": session.proposer_choice.short,
+                "draft_len": args.draft_len,
                 "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed,
                 "max_new_tokens": args.max_new_tokens, "system": args.system, "stop": args.stop,
             },

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -164,7 +165,8 @@ class LlamaCpp:
         bin_dir = Path(folder).expanduser()
         if not bin_dir.is_dir():
             raise LocalspecError(f"--llama-cpp {folder}: no such folder (give llama.cpp's build/bin)")
-        missing = [t for t in TOOLS if not os.access(bin_dir / t, os.X_OK)]
+        # which, not a bare path: on Windows the programs are llama-completion.exe and so on
+        missing = [t for t in TOOLS if shutil.which(t, path=str(bin_dir)) is None]
         if missing:
             raise LocalspecError(f"--llama-cpp {folder}: no {', '.join(missing)} there (build llama.cpp's {', '.join(TOOLS)} targets)")
         return cls(bin_dir, threads)

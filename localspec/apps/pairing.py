@@ -16,6 +16,7 @@ from typing import Callable
 from localspec.apps.bench import load_prompts, localspec_answer, machine_info
 from localspec.base.config import SpecConfig
 from localspec.base.errors import LocalspecError
+from localspec.base.reasons import Reason
 from localspec.core.policy import best_draft_len
 from localspec.store import hub, loading, paths, proposer_catalog, tokenizers
 from localspec.store.machine import check_eagle_head, check_tokenizers, free_memory
@@ -91,7 +92,7 @@ def pair(
     for draft_entry, proposers in [(None, alone), *((d, drafting) for d in drafts)]:
         session = Session(entry, registry, *load_models(entry, draft_entry, proposers[-1], dtype, spec, quiet=True))
         for proposer in proposers:
-            engine = session.switch_proposer(proposer, spec, "measured by localspec pair")
+            engine = session.switch_proposer(proposer, spec, Reason("measured by localspec pair", "being measured"))
             results.append(_measure(engine, entry.name, proposer, draft_entry, prompts, max_new_tokens, spec, say))
         session.close()  # an EAGLE head's hooks must not stay on the target for the next pair
         del session, engine  # before the next draft's load: two targets may not fit

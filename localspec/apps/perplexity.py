@@ -16,6 +16,7 @@ The passes run outside `prompt_pass`: these are the numbers decoding and verific
 from __future__ import annotations
 
 import re
+import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -115,10 +116,10 @@ def perplexity_report(entry: ModelEntry, text_file: Path, quants: list[str], con
 def llama_perplexity(folder: str, gguf: Path, text_file: Path, context: int, chunks: int, threads: int | None) -> dict:
     from localspec.apps.llamacpp import measured_run
 
-    tool = Path(folder).expanduser() / "llama-perplexity"
-    if not tool.is_file():
+    tool = shutil.which("llama-perplexity", path=str(Path(folder).expanduser()))  # llama-perplexity.exe on Windows
+    if tool is None:
         raise LocalspecError(f"--llama-cpp {folder}: no llama-perplexity there (build llama.cpp's llama-perplexity target)")
-    cmd = [str(tool), "-m", str(gguf), "-f", str(text_file), "-c", str(context), "--chunks", str(chunks)]
+    cmd = [tool, "-m", str(gguf), "-f", str(text_file), "-c", str(context), "--chunks", str(chunks)]
     if threads:
         cmd += ["-t", str(threads)]
     run = measured_run(cmd, "llama-perplexity")

@@ -12,12 +12,14 @@
   killed process left of its own is removed by the next one.
 - hold / remove_unless_held: a reader holds a finished cache (a shared lock on its marker file)
   for as long as it reads it; a cleanup removes only what nobody holds.
+
+Locks come from portalocker, so that the same rules hold on POSIX (flock) and Windows (LockFileEx);
+nothing here needs a POSIX-only module.
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
 import re
 import shutil
@@ -25,7 +27,22 @@ import tempfile
 from pathlib import Path
 from typing import BinaryIO, Callable, Iterator
 
+import portalocker
+import psutil
+from portalocker import LockFlags
+
 from localspec.base.errors import LocalspecError
+
+if os.name == "nt":
+    # Every lock through LockFileEx (portalocker's Win32Locker, pywin32 from its win32 extra):
+    # portalocker's default Windows locker waits for an exclusive lock through msvcrt.locking, which
+    # gives up after ten seconds, and a download holds its model's lock for minutes.
+    from portalocker.portalocker import Win32Locker
+
+    _WINDOWS_LOCKER = Win32Locker()
+    _lock, _unlock = _WINDOWS_LOCKER.lock, _WINDOWS_LOCKER.unlock
+else:
+    _lock, _unlock = portalocker.lock, portalocker.unlock  # its POSIX default: flock
 
 NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,127}")
 """A name that is one path component: starts with a letter or digit, then letters, digits, . _ + -."""
@@ -70,7 +87,8 @@ def write_atomic(path: Path, write: Callable[[BinaryIO], object], *, durable: bo
     except BaseException:  # disk full, Ctrl-C: no temporary left behind, the previous file intact
         Path(tmp).unlink(missing_ok=True)
         raise
-    if durable:
+    # Windows cannot open a folder to sync it: there the rename is as durable as the file system makes it
+    if durable and os.name != "nt":
         folder = os.open(path.parent, os.O_RDONLY)
         try:
             os.fsync(folder)
@@ -83,19 +101,10 @@ def work_dir(parent: Path, prefix: str) -> Path:
     process has ended (killed mid-write: a GB-sized download or conversion) are removed first."""
     for old in parent.glob(f"{prefix}*"):
         pid = old.name[len(prefix):].split(".")[0]
-        if pid.isdigit() and not _running(int(pid)):
+        # psutil rather than os.kill(pid, 0): on Windows that signal number is a Ctrl-C sent to the process
+        if pid.isdigit() and not psutil.pid_exists(int(pid)):
             shutil.rmtree(old, ignore_errors=True)
     return Path(tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}.", dir=parent))
-
-
-def _running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
 
 
 @contextlib.contextmanager
@@ -103,27 +112,27 @@ def locked(path: Path) -> Iterator[None]:
     """Hold an exclusive lock for `path` (on `path`.lock beside it) until the block ends.
 
     The lock file is never deleted: removing it while another process waits on it would let a
-    third process lock a new file and both proceed. The kernel drops the lock if the holder dies.
+    third process lock a new file and both proceed. The OS drops the lock if the holder dies.
     """
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.with_name(path.name + ".lock"), "a") as handle:
-        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+        _lock(handle, LockFlags.EXCLUSIVE)
         try:
             yield
         finally:
-            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
+            _unlock(handle)
 
 
 def hold(marker: Path) -> BinaryIO | None:
     """A shared hold on what `marker` vouches for (a finished cache folder's marker file, or a file
-    itself): while the returned file stays open, `remove_unless_held` leaves it alone. The kernel
+    itself): while the returned file stays open, `remove_unless_held` leaves it alone. The OS
     drops the hold when the file is closed or the process ends. None when `marker` does not exist
     (never finished, or removed, also while this call waited for a removal under way)."""
     try:
         handle = open(marker, "rb")
     except (FileNotFoundError, NotADirectoryError):
         return None
-    fcntl.flock(handle.fileno(), fcntl.LOCK_SH)  # waits only while a removal is under way
+    _lock(handle, LockFlags.SHARED)  # waits only while a removal is under way
     try:
         still_there = os.path.samestat(os.fstat(handle.fileno()), os.stat(marker))
     except OSError:
@@ -136,27 +145,43 @@ def hold(marker: Path) -> BinaryIO | None:
 
 def remove_unless_held(path: Path, marker: Path, root: Path) -> bool:
     """Delete `path` (a folder or a file strictly inside `root`) unless a reader holds `marker` (see
-    `hold`); True if it was removed. A folder is removed under its `locked` lock, so that no finished
-    copy is moved into place meanwhile; a folder without its marker (unfinished, or half removed by
-    a killed cleanup) cannot be held and is removed."""
+    `hold`); True if it was removed. The marker goes first, so that nobody can hold what is left
+    while it is removed. A folder is removed under its `locked` lock, so that no finished copy is
+    moved into place meanwhile; a folder without its marker (unfinished, or half removed by a
+    killed cleanup) cannot be held and is removed."""
     if not inside(path, root):
         raise LocalspecError(f"refusing to remove {path}: it is not inside {root}")
     with locked(path) if path.is_dir() else contextlib.nullcontext():
+        if not _remove_marker_unless_held(marker):
+            return False
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink(missing_ok=True)
+    return True
+
+
+def _remove_marker_unless_held(marker: Path) -> bool:
+    """Delete `marker` unless a reader holds it; True once it is gone (or was never there)."""
+    try:
+        handle = open(marker, "rb")
+    except FileNotFoundError:
+        return True
+    with handle:
         try:
-            handle = open(marker, "rb")
-        except FileNotFoundError:
-            handle = None
-        with handle if handle is not None else contextlib.nullcontext():
-            if handle is not None:
-                try:
-                    fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except BlockingIOError:
-                    return False
-            # a reader waiting for its hold meanwhile finds the marker gone and reads nothing here
-            if path.is_dir():
-                shutil.rmtree(path)
-            else:
-                path.unlink(missing_ok=True)
+            _lock(handle, LockFlags.EXCLUSIVE | LockFlags.NON_BLOCKING)
+        except portalocker.AlreadyLocked:
+            return False
+        if os.name != "nt":
+            # under the lock: a reader waiting for its hold meanwhile finds the marker gone
+            marker.unlink()
+            return True
+    # Windows deletes no file that is open, so the marker goes once closed: a reader that opened it
+    # meanwhile (its hold about to be granted) makes the deletion fail, and nothing is removed
+    try:
+        marker.unlink(missing_ok=True)
+    except PermissionError:
+        return False
     return True
 
 

@@ -13,6 +13,7 @@ import ctypes
 import functools
 import hashlib
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -45,8 +46,9 @@ def sources_digest() -> str:
 
 def build(source: Path, cache_dir: Path, what: str) -> ctypes.CDLL:
     """Compile `source` into cache_dir once (per source, compiler and flags) and load it."""
-    if os.uname().machine not in ("x86_64", "AMD64"):
-        raise KernelUnavailable(f"the {what} is for x86 CPUs, this is {os.uname().machine}")
+    machine = platform.machine()  # os.uname does not exist on Windows, which names x86-64 AMD64
+    if machine not in ("x86_64", "AMD64"):
+        raise KernelUnavailable(f"the {what} is for x86 CPUs, this is {machine}")
     cxx = compiler()
     if cxx is None:
         raise KernelUnavailable(f"no C++ compiler found (install g++, or set CXX) to build the {what}")

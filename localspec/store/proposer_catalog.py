@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 from localspec.base.config import SpecConfig, eagle_head_dir, has_eagle_head
 from localspec.base.errors import LocalspecError, first_line
+from localspec.base.reasons import Reason
 from localspec.store.measurements import Measured, pair_key
 from localspec.store.registry import ModelEntry, Registry, load_registry
 
@@ -146,25 +147,32 @@ class Candidate:
     """One proposer (and draft) worth opening, where it ranks, and why those above it were left out."""
 
     proposer: str
-    about: str
+    about: Reason
     """Why this proposer, on its own terms (one line)."""
     draft: str | None = None
     """The draft model's registry name when the proposer drafts with a model."""
-    passed_over: tuple[str, ...] = ()
+    passed_over: tuple[Reason, ...] = ()
     """Why each proposer ranked above this one was left out of the ranking, in rank order."""
 
     @property
-    def reason(self) -> str:
-        """One line, shown to the user (stderr, the UI, --json): why this one, and why not those above it."""
+    def reason(self) -> Reason:
+        """Why this one, and why not those above it (one line, shown on stderr, in the UI, in --json)."""
         return self.reason_after([])
 
-    def reason_after(self, refused: list[tuple[Candidate, str]]) -> str:
+    def reason_after(self, refused: list[tuple[Candidate, Reason]]) -> Reason:
         """The reason once the candidates in `refused`, ranked above this one, could not be opened:
-        each one's why among the passed-over ones, at its place in the ranking."""
+        in full, each one's why among the passed-over ones, at its place in the ranking. In short,
+        the candidate's own few words; but a proposer that needs nothing beside the target (prompt
+        lookup, plain decoding) runs because those above it could not, so the nearest of them
+        says why instead."""
         said = list(self.passed_over)
         for earlier, why in reversed(refused):  # the latest first, so the earlier places stay put
             said.insert(len(earlier.passed_over), why)
-        return f"{self.about} ({'; '.join(said)})" if said else self.about
+        if not said:
+            return self.about
+        needs = KINDS[self.proposer]
+        stands_in = not (needs.draft_model or needs.head)
+        return Reason(f"{self.about} ({'; '.join(said)})", said[-1].short if stands_in else self.about.short)
 
     @property
     def title(self) -> str:
@@ -183,7 +191,7 @@ def _gb(n: int) -> str:
     return f"{n / 1e9:.1f} GB"
 
 
-PROMPT_LOOKUP = "prompt lookup needs no extra model"
+PROMPT_LOOKUP = Reason("prompt lookup needs no extra model", "needs no extra model")
 
 
 def rank_proposers(
@@ -213,7 +221,7 @@ def rank_proposers(
         why_not = unavailable(requested, entry)
         if why_not:
             raise LocalspecError(f"{why_not}; try --proposer ngram")
-        asked = Candidate(requested, f"--proposer {requested} was asked for",
+        asked = Candidate(requested, Reason(f"--proposer {requested} was asked for", "asked for"),
                           registered_draft(entry) if kind(requested).draft_model else None)
         return [asked, Candidate("ngram", PROMPT_LOOKUP)] if asked.draft else [asked]
 
@@ -232,9 +240,9 @@ def rank_proposers(
         return memory is None or entry.memory_with(draft) <= memory
 
     ranked: list[Candidate] = []
-    skipped: list[str] = []
+    skipped: list[Reason] = []
 
-    def rank(proposer: str, about: str, draft: str | None = None) -> None:
+    def rank(proposer: str, about: Reason, draft: str | None = None) -> None:
         if all((c.proposer, c.draft) != (proposer, draft) for c in ranked):  # a saved pairing is not ranked twice
             ranked.append(Candidate(proposer, about, draft, tuple(skipped)))
 
@@ -246,9 +254,9 @@ def rank_proposers(
         ))
         if usable:
             what = f"draft {paired.draft}" if paired.draft else paired.proposer
-            rank(paired.proposer,
-                 f"{what} won `localspec pair` here ({paired.tokens_per_second:.1f} tok/s, {paired.speedup:.2f}x plain)",
-                 paired.draft)
+            rank(paired.proposer, Reason(
+                f"{what} won `localspec pair` here ({paired.tokens_per_second:.1f} tok/s, {paired.speedup:.2f}x plain)",
+                f"won localspec pair here, {paired.speedup:.2f}x plain"), paired.draft)
 
     if has_eagle_head(entry.name):
         eagle = known("eagle")
@@ -256,33 +264,39 @@ def rank_proposers(
         rivals = [(m.speedup, name) for name in entry.drafts if (m := known(pair_key("draft", name))) and have(name)]
         rival = max(rivals, default=None)
         if eagle and eagle.speedup < 1.0:
-            skipped.append(f"the EAGLE head measured {eagle.speedup:.2f}x plain here")
+            skipped.append(Reason(f"the EAGLE head measured {eagle.speedup:.2f}x plain here",
+                                  f"EAGLE head measured {eagle.speedup:.2f}x plain"))
         elif eagle and rival and rival[0] > eagle.speedup:
-            skipped.append(f"the EAGLE head measured {eagle.speedup:.2f}x plain here, draft {rival[1]} {rival[0]:.2f}x")
+            skipped.append(Reason(f"the EAGLE head measured {eagle.speedup:.2f}x plain here, draft {rival[1]} {rival[0]:.2f}x",
+                                  f"EAGLE head {eagle.speedup:.2f}x plain, draft {rival[0]:.2f}x"))
         else:
-            rank("eagle", f"an EAGLE head trained for {entry.name} is on this machine ({eagle_head_dir(entry.name)})")
+            rank("eagle", Reason(f"an EAGLE head trained for {entry.name} is on this machine ({eagle_head_dir(entry.name)})",
+                                 "EAGLE head trained here"))
     elif entry.eagle_heads:
-        skipped.append(f"no EAGLE head on this machine ({train_command(entry)})")
+        skipped.append(Reason(f"no EAGLE head on this machine ({train_command(entry)})", "no EAGLE head here"))
 
     for name in entry.drafts:
         draft = registry.models.get(name) if registry is not None else None
         measured = slow(pair_key("draft", name))
         if not have(name):
-            skipped.append(f"draft {name} is not downloaded (localspec pull {name})")
+            skipped.append(Reason(f"draft {name} is not downloaded (localspec pull {name})", f"draft {name} not downloaded"))
         elif draft is not None and not fits(draft):
             need = entry.memory_with(draft)
-            skipped.append(f"draft {name} does not fit beside the target ({_gb(need)} needed, {_gb(memory)} free)")
+            skipped.append(Reason(f"draft {name} does not fit beside the target ({_gb(need)} needed, {_gb(memory)} free)",
+                                  f"draft {name} does not fit in memory"))
         elif measured:
-            skipped.append(f"draft {name} measured {measured.speedup:.2f}x plain here")
+            skipped.append(Reason(f"draft {name} measured {measured.speedup:.2f}x plain here",
+                                  f"draft {name} measured {measured.speedup:.2f}x plain"))
         else:
-            rank("draft", f"draft {name} has the same tokenizer and fits", name)
+            rank("draft", Reason(f"draft {name} has the same tokenizer and fits", "same tokenizer, fits"), name)
     if not entry.drafts:
-        skipped.append("no registered draft")
+        skipped.append(Reason("no registered draft", "no draft registered"))
 
     measured = slow("ngram")
     if measured is None:
         rank("ngram", PROMPT_LOOKUP)
     else:
-        skipped.append(f"prompt lookup measured {measured.speedup:.2f}x plain here")
-        rank("none", "plain decoding")
+        skipped.append(Reason(f"prompt lookup measured {measured.speedup:.2f}x plain here",
+                              f"prompt lookup measured {measured.speedup:.2f}x plain"))
+        rank("none", Reason("plain decoding", "plain decoding"))
     return ranked

@@ -20,6 +20,7 @@ import torch
 
 from localspec.base.config import SpecConfig
 from localspec.base.errors import LocalspecError, first_line, is_out_of_memory
+from localspec.base.reasons import Reason
 from localspec.core import policy
 from localspec.core.engine import Engine
 from localspec.runtime import quant as quantization
@@ -49,6 +50,10 @@ ASSUMED_ACCEPTANCE = 0.7
 class DraftCannotPay(LocalspecError):
     """Under auto, a draft whose measured step cannot beat plain decoding (the message says by how much)."""
 
+    def __init__(self, why: Reason) -> None:
+        super().__init__(why)
+        self.why = why
+
 
 @dataclass
 class Session:
@@ -58,16 +63,36 @@ class Session:
     registry: Registry
     target: LoadedModel
     draft: LoadedModel | None
-    dtype_reason: str
+    dtype_reason: Reason
     """Why the target computes in its dtype and weight format."""
     quiet: bool = True
     engine: Engine | None = None
     proposer: str = "none"
-    reason: str = ""
+    reason: Reason = Reason("", "")
     """Why this proposer, in one line."""
 
+    @property
+    def weights_choice(self) -> Reason:
+        """The target's weight format and device, and why: in short "w4a8 · file's own 4/6/8-bit ·
+        AVX2 kernel · cpu"."""
+        device = self.target.device.type
+        return Reason(f"weights: {self.dtype_reason}, on {device}", f"{self.dtype_reason.short} · {device}")
+
+    @property
+    def proposer_choice(self) -> Reason:
+        """The proposer running now, and why: in short "draft qwen2.5-coder-0.5b · same tokenizer, fits"."""
+        drafts_with_model = self.draft is not None and proposer_catalog.kind(self.proposer).draft_model
+        name = f"{self.proposer} {self.draft.name}" if drafts_with_model else self.proposer
+        return Reason(f"{self.proposer} proposer: {self.reason}", f"{name} · {self.reason.short}")
+
+    @property
+    def summary(self) -> str:
+        """What a person reads first (the CLI's first line, the server's ready line): the weights
+        and the proposer, each in a few words."""
+        return f"{self.weights_choice.short}; {self.proposer_choice.short}"
+
     def switch_proposer(
-        self, proposer: str, spec: SpecConfig, reason: str,
+        self, proposer: str, spec: SpecConfig, reason: Reason,
         status: Callable[[str], None] | None = None, draft_must_pay: bool = False,
     ) -> Engine:
         """An engine for `proposer` on the weights in hand; the old engine's proposer is closed
@@ -91,11 +116,12 @@ class Session:
         draft = self.draft if needs_draft else None
         costs = costs_for(self.target, draft)
         if draft_must_pay and draft is not None and not draft_pays(costs, spec.max_draft_len):
-            raise DraftCannotPay(
-                f"the draft's measured step ({costs.draft_step_seconds * 1e3:.0f} ms) against the target's "
-                f"one-token pass ({costs.verify(1) * 1e3:.0f} ms) cannot beat plain decoding even at "
-                f"{ASSUMED_ACCEPTANCE:.0%} acceptance"
-            )
+            step = f"{costs.draft_step_seconds * 1e3:.0f} ms"
+            raise DraftCannotPay(Reason(
+                f"the draft's measured step ({step}) against the target's one-token pass "
+                f"({costs.verify(1) * 1e3:.0f} ms) cannot beat plain decoding even at {ASSUMED_ACCEPTANCE:.0%} acceptance",
+                f"draft too slow here: {step} a step",
+            ))
         engine = make_engine(self.target, draft, proposer, spec, reason, costs)
         self.close()
         self.engine, self.proposer, self.reason = engine, proposer, reason
@@ -160,18 +186,19 @@ def draft_pays(costs: CostModel, max_len: int) -> bool:
 
 def choose_dtype(
     entry: ModelEntry, draft_entry: ModelEntry | None, proposer: str, spec: SpecConfig, device: torch.device, quiet: bool
-) -> tuple[torch.dtype, str]:
+) -> tuple[torch.dtype, Reason]:
     """The compute dtype: bf16/fp16 on accelerators; on a CPU whichever the measurement favours."""
     if device.type == "cuda":
         # a card that only emulates bf16 (before Ampere) runs it far slower than fp16
-        dtype = torch.bfloat16 if torch.cuda.is_bf16_supported(including_emulation=False) else torch.float16
-        return dtype, f"{dtype} on CUDA"
+        if torch.cuda.is_bf16_supported(including_emulation=False):
+            return torch.bfloat16, Reason("bfloat16, which this card computes natively", "bfloat16")
+        return torch.float16, Reason("float16: this card only emulates bfloat16, far slower", "float16")
     if device.type == "mps":
-        return torch.float16, "float16 on MPS"
+        return torch.float16, Reason("float16, MPS's fast dtype", "float16")
     key = dtype_key(entry.name, draft_entry.name if draft_entry else None, proposer)
     cached = load_calibration(key)
     if cached.get("dtype") in DTYPE_NAMES:
-        return DTYPE_NAMES[cached["dtype"]], str(cached.get("reason", ""))
+        return DTYPE_NAMES[cached["dtype"]], _measured(cached["dtype"], str(cached.get("reason", "")))
     notice(f"measuring float32 vs bfloat16 for {entry.name} on this CPU (once)", quiet)
     rates = {}
     for name in ("float32", "bfloat16"):
@@ -180,9 +207,15 @@ def choose_dtype(
         rates[name] = _best_rate(costs_for(target, draft), proposer, spec.max_draft_len)
         del target, draft
     best = max(rates, key=rates.get)
-    reason = "measured " + ", ".join(f"{n} {r:.2f} tok/s" for n, r in rates.items()) + f" -> {best}"
+    reason = _measured(best, "measured " + ", ".join(f"{n} {r:.2f} tok/s" for n, r in rates.items()) + f" -> {best}")
     save_calibration(key, {"dtype": best, "reason": reason})
     return DTYPE_NAMES[best], reason
+
+
+def _measured(dtype: str, figures: str) -> Reason:
+    """The reason for a dtype the measurement chose (`figures`: what it measured, as the
+    calibration keeps it)."""
+    return Reason(figures, f"{dtype} · measured faster here")
 
 
 def make_engine(
@@ -205,7 +238,7 @@ def reads_gguf(entry: ModelEntry) -> bool:
                                             or fetched_gguf(entry) is not None)
 
 
-def choose_quant(entry: ModelEntry, wanted: str, device: torch.device, dtype: str = "auto") -> tuple[str, str]:
+def choose_quant(entry: ModelEntry, wanted: str, device: torch.device, dtype: str = "auto") -> tuple[str, Reason]:
     """The target's weight format and why: as asked; else an explicit --dtype keeps its float
     weights (the model the user asked for), quantized only when they do not fit in memory; else,
     for a GGUF, the file's own numbers: w4a8 on a CPU that builds its kernel (its verify passes
@@ -214,35 +247,40 @@ def choose_quant(entry: ModelEntry, wanted: str, device: torch.device, dtype: st
     exactly (VNNI/AMX) when it fits; else the least quantization that fits in memory (on MPS
     16-bit where it fits: int4 runs its de-quantizing reference there)."""
     if wanted != "auto":
-        return wanted, f"--quant {wanted}"
+        return wanted, Reason(f"--quant {wanted}", "asked for")
     free = torch.cuda.mem_get_info()[0] if device.type == "cuda" else psutil.virtual_memory().available
     if dtype != "auto":
         return _fit_in_memory(entry, device, free, DTYPE_NAMES[dtype].itemsize, f"--dtype {dtype}")
     from_gguf = reads_gguf(entry)
     if from_gguf and device.type == "cpu" and (kernel := _w4a8_kernel_name()):
-        return "w4a8", (f"the file's own 4-, 6- and 8-bit weights, multiplied with int8 activations by localspec's {kernel} "
-                        "kernel: a verify pass of a few tokens costs about what one token does")
+        return "w4a8", Reason(
+            f"the file's own 4-, 6- and 8-bit weights, multiplied with int8 activations by localspec's {kernel} "
+            "kernel: a verify pass of a few tokens costs about what one token does",
+            f"file's own 4/6/8-bit · {kernel} kernel")
     if from_gguf and device.type != "mps":  # MPS has no int4 kernel: 16-bit where it fits, below
-        return "int4", "the file's own 4-bit weights (its wider ones in bf16): nothing re-quantized"
+        return "int4", Reason("the file's own 4-bit weights (its wider ones in bf16): nothing re-quantized",
+                              "file's own 4-bit")
     if device.type == "cpu" and w8a8_supported() and 1.6 * entry.params * 1e9 < free:
-        return "w8a8", ("this CPU multiplies int8 exactly (VNNI), so a 16-token verify pass costs about 2x "
-                        "a one-token pass (int4: 5x)")
+        return "w8a8", Reason("this CPU multiplies int8 exactly (VNNI), so a 16-token verify pass costs about 2x "
+                              "a one-token pass (int4: 5x)", "exact int8 on this CPU")
     return _fit_in_memory(entry, device, free, 2, "16-bit")
 
 
-def _fit_in_memory(entry: ModelEntry, device: torch.device, free: int, bytes_per_weight: int, what: str) -> tuple[str, str]:
+def _fit_in_memory(entry: ModelEntry, device: torch.device, free: int, bytes_per_weight: int, what: str) -> tuple[str, Reason]:
     """Float weights of `bytes_per_weight` when they fit in `free` bytes, else the least
     quantization that does; `what` names those float weights in the reason."""
     weights = bytes_per_weight * entry.params * 1e9
     if weights * 1.2 < free:
         slow_int4 = " (int4 has no fast kernel on MPS: it would de-quantize every weight on every pass)" if device.type == "mps" else ""
-        return "none", f"{what} weights fit in memory" + slow_int4
-    too_big = f"{what} weights ({weights / 1e9:.1f} GB) do not fit in {free / 1e9:.1f} GB free"
+        return "none", Reason(f"{what} weights fit in memory" + slow_int4, "fits in memory")
+    too_big = Reason(f"{what} weights ({weights / 1e9:.1f} GB) do not fit in {free / 1e9:.1f} GB free",
+                     f"{what} weights do not fit")
     if device.type == "mps":
         return "int4", too_big
     if 1.2 * entry.params * 1e9 < free:  # int8: a byte per weight
         return "int8", too_big
-    return ("nf4" if device.type == "cuda" else "int4"), f"even 8-bit weights do not fit in {free / 1e9:.1f} GB free"
+    return ("nf4" if device.type == "cuda" else "int4"), Reason(f"even 8-bit weights do not fit in {free / 1e9:.1f} GB free",
+                                                               "8-bit weights do not fit")
 
 
 def _w4a8_kernel_name() -> str | None:
@@ -261,7 +299,7 @@ def _say_once(message: str) -> None:
 
 def load_models(
     entry: ModelEntry, draft_entry: ModelEntry | None, proposer: str, dtype: str, spec: SpecConfig, quiet: bool
-) -> tuple[LoadedModel, LoadedModel | None, str]:
+) -> tuple[LoadedModel, LoadedModel | None, Reason]:
     """Target (and draft) at the requested or measured dtype and weight format; returns them and
     why that dtype / format."""
     if dtype not in ("auto", *DTYPE_NAMES):
@@ -272,11 +310,11 @@ def load_models(
         torch_dtype = quantization.compute_dtype(quant)
         how = {"w8a8": "int8 weights and activations, float32 between them",
                "w4a8": "4-, 6- and 8-bit weights (as the file has them) and int8 activations, float32 between them"}.get(quant, f"{quant} weights, bfloat16 activations")
-        dtype_reason = f"{how} ({quant_reason})"
+        dtype_reason = Reason(f"{how} ({quant_reason})", f"{quant} · {quant_reason.short}")
     elif dtype == "auto":
         torch_dtype, dtype_reason = choose_dtype(entry, draft_entry, proposer, spec, device, quiet)
     else:
-        torch_dtype, dtype_reason = DTYPE_NAMES[dtype], f"--dtype {dtype}"
+        torch_dtype, dtype_reason = DTYPE_NAMES[dtype], Reason(f"--dtype {dtype}", dtype)
     target = load_model(entry, torch_dtype, quant=quant, device=device, progress=not quiet)
     draft = load_draft(draft_entry, torch_dtype, device, spec, quiet) if draft_entry else None
     # w8a8 packing ran behind the draft's load; generation waits for it, so that the speed guard
@@ -359,7 +397,7 @@ def open_session(
     spec = spec or SpecConfig(proposer=proposer)
     ranked = rank_proposers(proposer, entry, registry, **situation(registry, entry.name))
     held: Session | None = None
-    refused: list[tuple[Candidate, str]] = []
+    refused: list[tuple[Candidate, Reason]] = []
 
     def open_candidate(candidate: Candidate) -> Session:
         nonlocal held
@@ -390,13 +428,14 @@ def open_session(
     return open_candidate(ranked[-1])
 
 
-def _why_passed_over(exc: Exception, candidate: Candidate) -> str | None:
+def _why_passed_over(exc: Exception, candidate: Candidate) -> Reason | None:
     """Why `candidate` gives way to the next one, in one line; None when `exc` is the user's to see."""
     if isinstance(exc, DraftCannotPay):
-        return str(exc)
+        return exc.why
     memory_short = is_out_of_memory(exc) or (isinstance(exc, LocalspecError) and "memory" in str(exc))
     if candidate.draft is not None and memory_short:
-        return f"the draft {candidate.draft} did not fit in memory ({first_line(exc)})"
+        return Reason(f"the draft {candidate.draft} did not fit in memory ({first_line(exc)})",
+                      f"draft {candidate.draft} did not fit in memory")
     if proposer_catalog.kind(candidate.proposer).head and isinstance(exc, LocalspecError):
-        return f"the EAGLE head here cannot be loaded: {first_line(exc)}"
+        return Reason(f"the EAGLE head here cannot be loaded: {first_line(exc)}", "EAGLE head here cannot be loaded")
     return None

@@ -48,7 +48,7 @@ def session_loader(model: str | None, proposer: str, dtype: str, spec: SpecConfi
         from localspec.store.session import open_session
 
         session = open_session(entry.name, proposer, dtype, spec)
-        return Served(entry.name, session.engine, f"{session.proposer} proposer ({session.reason}); {session.dtype_reason}")
+        return Served(entry.name, session.engine, session.summary)
 
     return load
 

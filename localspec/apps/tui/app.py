@@ -89,7 +89,7 @@ class LocalspecApp(App):
 
     def action_pick_model(self) -> None:
         current = self.settings.model or self.backend.registry.default
-        self.push_screen(ModelPicker(self.backend.registry, current), self._model_chosen)
+        self.push_screen(ModelPicker(self.backend.registry, current, self.loaded), self._model_chosen)
 
     def _model_chosen(self, name: str | None) -> None:
         if name is not None and name != self.settings.model:

@@ -15,6 +15,7 @@ import psutil
 
 from localspec.base.config import GenerationLimits, SamplingConfig, SpecConfig
 from localspec.base.errors import LocalspecError
+from localspec.base.reasons import Reason
 from localspec.store import proposer_catalog
 from localspec.store.registry import Registry, load_registry
 
@@ -45,13 +46,16 @@ class ChatEngine(Protocol):
 
 @dataclass
 class Loaded:
-    """A ready engine and what the statistics panel says about it."""
+    """A ready engine and what the statistics panel (in short) and the model screen (in full) say
+    about it."""
 
     engine: ChatEngine
     model: str
     proposer: str
-    reason: str
-    dtype_reason: str
+    weights: Reason
+    """The target's weight format and device, and why."""
+    proposer_choice: Reason
+    """The proposer (with its draft model) and why."""
     memory: Callable[[], str]
     """Memory in use now, as one short text (RAM, and GPU memory on CUDA)."""
 
@@ -115,7 +119,7 @@ class SessionBackend:
             # a proposer picked in the UI on the weights already loaded ('auto' only comes with a
             # load); a failure leaves the old engine working
             proposer = settings.spec.proposer
-            current.switch_proposer(proposer, settings.spec, f"{proposer} was chosen in the chat", status)
+            current.switch_proposer(proposer, settings.spec, Reason(f"{proposer} was chosen in the chat", "chosen here"), status)
         device = current.target.device.type
-        return Loaded(current.engine, entry.name, current.proposer, current.reason, current.dtype_reason,
+        return Loaded(current.engine, entry.name, current.proposer, current.weights_choice, current.proposer_choice,
                       lambda: memory_in_use(device))

@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator
 
 from localspec.apps.tui.backend import ChatSettings, Loaded, memory_in_use
 from localspec.base.config import GenerationLimits, SamplingConfig
+from localspec.base.reasons import Reason
 from localspec.core.engine import FinalEvent, Piece, TokenEvent
 from localspec.core.stats import GenerationStats, Opening, PassFigures
 from localspec.store.registry import Registry, load_registry
@@ -95,4 +96,6 @@ class FakeBackend:
         self.opened.append(settings)
         engine = FakeEngine(proposer, reason, settings.spec.draft_len, self.delay)
         memory = (lambda: self.memory) if self.memory else (lambda: memory_in_use("cpu"))
-        return Loaded(engine, entry.name, proposer, reason, "float32 (fake)", memory)
+        weights = Reason("weights: float32, all a fake engine has, on cpu", "float32 · cpu")
+        choice = Reason(f"{proposer} proposer: {reason}", f"{proposer} · fake engine")
+        return Loaded(engine, entry.name, proposer, weights, choice, memory)

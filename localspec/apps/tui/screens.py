@@ -1,4 +1,5 @@
-"""Modal screens: settings, model picker, help, loading, and the pairing wizard."""
+"""Modal screens: settings, model picker (with why the loaded model runs as it does), help,
+loading, and the pairing wizard."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, LoadingIndicator, OptionList, RichLog, Select, Static, TextArea
 
-from localspec.apps.tui.backend import ChatSettings, error_text
+from localspec.apps.tui.backend import ChatSettings, Loaded, error_text
 from localspec.base.errors import LocalspecError
 from localspec.store.registry import fitting_targets
 
@@ -92,15 +93,22 @@ class SettingsScreen(ModalScreen[ChatSettings | None]):
 
 
 class ModelPicker(ModalScreen[str | None]):
+    """The models to load, under the full story of the one loaded: the side panel says it in a
+    few words, this screen why (the numbers, the command that would change it)."""
+
     BINDINGS = [Binding("escape", "dismiss(None)", "Cancel")]
 
-    def __init__(self, registry, current: str) -> None:
+    def __init__(self, registry, current: str, loaded: Loaded | None = None) -> None:
         super().__init__()
         self.registry = registry
         self.current = current
+        self.loaded = loaded
 
     def compose(self) -> ComposeResult:
         with Vertical(id="dialog"):
+            if self.loaded is not None:
+                yield Label(f"Loaded: {self.loaded.model}", classes="title", markup=False)
+                yield Static(f"{self.loaded.weights}\n\n{self.loaded.proposer_choice}", id="why", markup=False)
             yield Label("Model (Enter loads it)", classes="title")
             names = list(self.registry.models)
             options = OptionList(*(f"{escape(n)}  [dim]{escape(self.registry.models[n].display)}[/]" for n in names),
@@ -129,7 +137,8 @@ class HelpScreen(ModalScreen[None]):
         with Vertical(id="dialog"):
             yield Label("Keys", classes="title")
             yield Static(table, id="keys")
-            yield Static("[dim]Settings apply from the next answer. Esc closes this screen.[/]")
+            yield Static("[dim]Settings apply from the next answer. The model screen also says in full why the "
+                         "panel's weights and proposer were chosen. Esc closes this screen.[/]")
 
 
 class LoadingScreen(ModalScreen[None]):

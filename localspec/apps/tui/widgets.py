@@ -107,9 +107,14 @@ class StatsPanel(VerticalScroll):
         self.loaded = loaded
         self.start()
         self.query_one("#positions", Static).update(bars([]))
-        text = Text.assemble(("model     ", "bold"), f"{loaded.model} ({loaded.dtype_reason})\n",
-                             ("proposer  ", "bold"), (loaded.proposer, "bold green"), "\n", (loaded.reason, "italic"))
-        self.query_one("#engine", Static).update(text)
+        # a grid, so that a value too long for the panel wraps under itself, not under the labels
+        grid = Table.grid(padding=(0, 1))
+        grid.add_column(style="bold")
+        grid.add_column()
+        grid.add_row("model", loaded.model)
+        grid.add_row("weights", loaded.weights.short)
+        grid.add_row("proposer", Text(loaded.proposer_choice.short, "green"))
+        self.query_one("#engine", Static).update(grid)
         self.query_one("#figures", Static).update(self.figures(None, 0.0))
 
     def start(self) -> None:
