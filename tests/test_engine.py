@@ -10,7 +10,8 @@ import torch
 from conftest import CharTokenizer, hf_greedy, tiny_model
 from localspec.base.config import GenerationLimits, SamplingConfig, SpecConfig
 from localspec.base.errors import LocalspecError
-from localspec.core.engine import Engine, StopScanner, Piece
+from localspec.core.engine import Engine, StopScanner
+from localspec.core.events import Piece
 from localspec.core.proposers import DraftModelProposer, NgramProposer
 from localspec.core.proposers.base import Proposer
 from localspec.core.tree import Draft

@@ -23,7 +23,8 @@ from localspec.apps.serve.metrics import timings
 from localspec.apps.serve.turns import Served
 from localspec.base.config import GenerationLimits, SamplingConfig, SpecConfig
 from localspec.base.errors import LocalspecError
-from localspec.core.engine import Engine, FinalEvent
+from localspec.core.engine import Engine
+from localspec.core.events import FinalEvent
 from localspec.core.proposers import NgramProposer
 
 GREEDY = SamplingConfig(temperature=0.0)

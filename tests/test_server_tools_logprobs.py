@@ -21,7 +21,8 @@ from localspec.apps.serve.logprobs import TokenTexts
 from localspec.apps.serve.tools import TAGGED, WHOLE, ToolCallScanner, ToolRequest, call_form
 from localspec.base.config import GenerationLimits, SamplingConfig, SpecConfig
 from localspec.core import engine as engine_module
-from localspec.core.engine import Engine, FinalEvent, Piece, TokenEvent
+from localspec.core.engine import Engine
+from localspec.core.events import FinalEvent, Piece, TokenEvent
 from localspec.core.proposers import DraftModelProposer, NgramProposer
 from localspec.core.stats import GenerationStats, PassFigures
 

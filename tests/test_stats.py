@@ -9,7 +9,8 @@ import pytest
 
 from conftest import tiny_model
 from localspec.base.config import GenerationLimits, SpecConfig
-from localspec.core.engine import Engine, FinalEvent
+from localspec.core.engine import Engine
+from localspec.core.events import FinalEvent
 from localspec.core.proposers import DraftModelProposer
 from localspec.core.stats import GenerationStats
 from localspec.runtime.costs import CostModel

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import torch
 
@@ -34,7 +34,8 @@ from localspec.core.policy import DraftPolicy, Proposal
 from localspec.core.prompt import chat_ids, check_ids, check_text
 from localspec.core.proposers.base import Proposer
 from localspec.core.proposers.ngram import NgramProposer
-from localspec.core.sampling import Likelihood, likelihoods, make_generator
+from localspec.core.events import FinalEvent, Likelihood, Piece, TokenEvent
+from localspec.core.sampling import likelihoods, make_generator
 from localspec.core.stats import GenerationStats, Opening, PassFigures
 from localspec.core.tree import Draft, verify_inputs, visible_rows
 from localspec.core.verify import verify
@@ -43,47 +44,6 @@ from localspec.runtime.costs import CostModel
 from localspec.runtime.kv import CachedTokens, common_prefix
 from localspec.runtime.quant import prompt_pass
 from localspec.runtime.target_pass import PREFILL_CHUNK, TargetPass
-
-
-@dataclass
-class Piece:
-    text: str
-    token_id: int
-    from_draft: bool
-    """True when a proposer guessed this token and the target accepted it."""
-    likelihood: Likelihood | None = None
-    """The token's log-probability under the target, when the generation asked for them (and a
-    prompt token has one: the first has nothing before it)."""
-
-
-@dataclass
-class TokenEvent:
-    """One target pass: the tokens it committed, with their text (possibly empty mid-character),
-    and its figures (drafted, accepted and whose, seconds; the first pass's also the opening)."""
-
-    pieces: list[Piece] = field(default_factory=list)
-    figures: PassFigures = PassFigures()
-    echoed: list[Piece] = field(default_factory=list, kw_only=True)
-    """On the first event of an `echo` generation: the prompt's own tokens, before the answer's."""
-
-    @property
-    def text(self) -> str:
-        return "".join(p.text for p in self.pieces)
-
-    def fold(self, so_far: GenerationStats) -> GenerationStats:
-        """The answer's statistics up to this event, from those up to the one before (updated)."""
-        so_far.add(self.figures)
-        return so_far
-
-
-@dataclass
-class FinalEvent(TokenEvent):
-    """The last pass's event, which also carries the generation's finished statistics."""
-
-    stats: GenerationStats = field(default_factory=GenerationStats)
-
-    def fold(self, so_far: GenerationStats) -> GenerationStats:
-        return self.stats
 
 
 class Detokenizer:

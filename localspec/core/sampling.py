@@ -8,11 +8,10 @@ one go (`read_token`, `likelihoods`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from localspec.base.config import SamplingConfig
+from localspec.core.events import Likelihood
 
 
 def probs_from_logits(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
@@ -31,15 +30,6 @@ def probs_from_logits(logits: torch.Tensor, sampling: SamplingConfig) -> torch.T
         drop = drop_sorted.scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits.softmax(dim=-1)
-
-
-@dataclass(frozen=True, slots=True)
-class Likelihood:
-    """The target's log-probability of one token where it stands, and the likeliest tokens there."""
-
-    logprob: float
-    top: tuple[tuple[int, float], ...] = ()
-    """(token id, log-probability) of the most likely tokens at that position, most likely first."""
 
 
 def likelihoods(logits: torch.Tensor, tokens: list[int], top: int) -> list[Likelihood]:

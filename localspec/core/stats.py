@@ -12,8 +12,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from localspec.core.policy import predicted_speedup
-
 
 @dataclass(frozen=True, slots=True)
 class Opening:
@@ -176,6 +174,8 @@ class GenerationStats:
 
     @property
     def predicted_speedup(self) -> float:
+        from localspec.core.policy import predicted_speedup  # here: policy brings torch, which a reader of events may not need
+
         return predicted_speedup(self.acceptance_rate, self.mean_draft_len, self.cost_ratio)
 
     @property

@@ -21,7 +21,7 @@ from localspec.apps.serve.requests import (ApiError, parse_echo, parse_logprobs,
 from localspec.apps.serve.tools import ToolCall, ToolCallScanner, ToolRequest, parse_tools
 from localspec.apps.serve.turns import ClientGone, Service, Turn, until_disconnect
 from localspec.base.errors import LocalspecError
-from localspec.core.engine import Piece
+from localspec.core.events import Piece
 from localspec.core.stats import GenerationStats
 
 

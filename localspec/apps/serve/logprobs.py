@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Iterator
 
-from localspec.core.engine import Piece, TokenEvent
+from localspec.core.events import Piece, TokenEvent
 
 BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 """SentencePiece's byte fallback: a token that stands for one byte."""

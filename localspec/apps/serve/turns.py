@@ -19,7 +19,7 @@ from localspec.apps.serve.config import ServeConfig
 from localspec.apps.serve.metrics import Metrics
 from localspec.apps.serve.requests import ApiError, fim_ids
 from localspec.apps.serve.logprobs import TokenTexts
-from localspec.core.engine import TokenEvent
+from localspec.core.events import TokenEvent
 from localspec.core.prompt import PromptRefused, check_ids
 from localspec.core.stats import GenerationStats
 

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 from localspec.apps.tui.backend import ChatSettings, Loaded, memory_in_use
 from localspec.base.config import GenerationLimits, SamplingConfig
 from localspec.base.reasons import Reason
-from localspec.core.engine import FinalEvent, Piece, TokenEvent
+from localspec.core.events import FinalEvent, Piece, TokenEvent
 from localspec.core.stats import GenerationStats, Opening, PassFigures
 from localspec.store.registry import Registry, load_registry
 
