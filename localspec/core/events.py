@@ -2,14 +2,16 @@
 their log-probabilities, and the pass's figures; the last event also the finished statistics.
 
 Plain data with no torch, so that whoever only reads events (a client of the resident engine, the
-chat UI before its model loads) starts without it.
+chat UI before its model loads) starts without it. `to_wire` / `from_wire` carry an event through
+JSON and back unchanged (the resident engine's stream), so its reader folds the same numbers an
+in-process one does.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
-from localspec.core.stats import GenerationStats, PassFigures
+from localspec.core.stats import GenerationStats, Opening, PassFigures
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,3 +62,29 @@ class FinalEvent(TokenEvent):
 
     def fold(self, so_far: GenerationStats) -> GenerationStats:
         return self.stats
+
+
+def to_wire(event: TokenEvent) -> dict:
+    """An event as JSON-ready data (`from_wire` gives it back)."""
+    wire = {"pieces": [asdict(p) for p in event.pieces], "figures": asdict(event.figures)}
+    if event.echoed:
+        wire["echoed"] = [asdict(p) for p in event.echoed]
+    if isinstance(event, FinalEvent):
+        wire["stats"] = asdict(event.stats)
+    return wire
+
+
+def from_wire(wire: dict) -> TokenEvent:
+    """The event `to_wire` was given (a FinalEvent when it carries statistics)."""
+
+    def piece(p: dict) -> Piece:
+        found = p.get("likelihood")
+        likelihood = Likelihood(found["logprob"], tuple(map(tuple, found["top"]))) if found else None
+        return Piece(p["text"], p["token_id"], p["from_draft"], likelihood)
+
+    figures = dict(wire["figures"])
+    figures["notices"] = tuple(figures["notices"])
+    figures["opening"] = Opening(**figures["opening"]) if figures["opening"] else None
+    parts = dict(pieces=[piece(p) for p in wire["pieces"]], figures=PassFigures(**figures),
+                 echoed=[piece(p) for p in wire.get("echoed", ())])
+    return FinalEvent(**parts, stats=GenerationStats(**wire["stats"])) if "stats" in wire else TokenEvent(**parts)

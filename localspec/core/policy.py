@@ -30,6 +30,7 @@ import torch
 
 from localspec.base.config import SamplingConfig, SpecConfig
 from localspec.core.proposers.base import Proposer
+from localspec.core.stats import chain_tokens, predicted_speedup
 from localspec.core.tree import Draft, graft, matched_path
 from localspec.runtime.costs import CostModel
 from localspec.runtime.kv import common_prefix
@@ -111,13 +112,6 @@ def expected_tokens(reach: Iterable[float]) -> float:
     return 1.0 + sum(reach)
 
 
-def chain_tokens(acceptance: float, length: float) -> float:
-    """`expected_tokens` of a chain whose guesses are each accepted with probability `acceptance`:
-    1 + a + a^2 + ... + a^length, in closed form so that a mean length may be fractional."""
-    a = min(max(acceptance, 0.0), 1.0)
-    return length + 1.0 if a == 1.0 else (1.0 - a ** (length + 1)) / (1.0 - a)
-
-
 def chain_rate(costs: CostModel, acceptance: float, length: int, free: bool = False) -> float:
     """`expected_rate` of a chain of `length` guesses, each costing a draft step unless `free`
     (a lookup's guesses)."""
@@ -140,12 +134,6 @@ def draft_model_pays(costs: CostModel, acceptance: float, max_len: int) -> bool:
     """Whether a draft model at its measured step cost beats plain decoding at this acceptance:
     a target made fast can leave a draft too dear to be worth it."""
     return best_draft_len(costs, acceptance, max_len) > 0
-
-
-def predicted_speedup(acceptance: float, draft_len: float, cost_ratio: float) -> float:
-    """The expected rate over plain decoding's when a verify pass costs one plain pass at any
-    width and a draft step costs `cost_ratio` of one (the textbook figure beside a measured one)."""
-    return chain_tokens(acceptance, max(draft_len, 0.0)) / (1.0 + max(draft_len, 0.0) * cost_ratio)
 
 
 # -- trees (EAGLE) ---------------------------------------------------------------------------------

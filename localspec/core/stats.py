@@ -5,12 +5,25 @@ each pass's event carries that pass's `PassFigures` (the first also the `Opening
 the finished `GenerationStats`. A consumer that needs the totals before the end (a live panel, an
 answer stopped early) folds the figures with `GenerationStats.add`, which reaches what the engine
 counted; no consumer reads the engine's attributes. The formula speedup beside the measured one is
-the draft policy's (`policy.predicted_speedup`).
+the textbook one (`predicted_speedup`), which the draft policy shares.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+
+def chain_tokens(acceptance: float, length: float) -> float:
+    """`expected_tokens` of a chain whose guesses are each accepted with probability `acceptance`:
+    1 + a + a^2 + ... + a^length, in closed form so that a mean length may be fractional."""
+    a = min(max(acceptance, 0.0), 1.0)
+    return length + 1.0 if a == 1.0 else (1.0 - a ** (length + 1)) / (1.0 - a)
+
+
+def predicted_speedup(acceptance: float, draft_len: float, cost_ratio: float) -> float:
+    """The expected rate over plain decoding's when a verify pass costs one plain pass at any
+    width and a draft step costs `cost_ratio` of one (the textbook figure beside a measured one)."""
+    return chain_tokens(acceptance, max(draft_len, 0.0)) / (1.0 + max(draft_len, 0.0) * cost_ratio)
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,8 +187,6 @@ class GenerationStats:
 
     @property
     def predicted_speedup(self) -> float:
-        from localspec.core.policy import predicted_speedup  # here: policy brings torch, which a reader of events may not need
-
         return predicted_speedup(self.acceptance_rate, self.mean_draft_len, self.cost_ratio)
 
     @property
