@@ -7,6 +7,8 @@ import os
 # Triton picks interpreter or GPU when it is first imported (transformers imports it): the kernel
 # tests run under the interpreter unless a GPU run asks otherwise with TRITON_INTERPRET=0.
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# a resident engine the developer left running answers none of the tests' prompts (tests/test_resident.py asks for one)
+os.environ["LOCALSPEC_DAEMON"] = "0"
 
 import pytest
 import torch

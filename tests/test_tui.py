@@ -393,9 +393,12 @@ def test_bare_localspec_opens_the_chat(monkeypatch):
     from localspec.apps.cli import main
 
     seen = []
-    monkeypatch.setattr(tui, "run_chat", lambda settings, fake_engine: seen.append(settings) or 0)
+    monkeypatch.setattr(tui, "run_chat", lambda settings, fake_engine, daemon, keep_alive: seen.append((settings, daemon)) or 0)
     assert main([]) == 0
-    assert main(["chat", "--proposer", "ngram", "--temperature", "0.5", "--system", "be brief"]) == 0
+    assert main(["chat", "--proposer", "ngram", "--temperature", "0.5", "--system", "be brief", "--daemon"]) == 0
+    assert main(["chat", "--no-daemon"]) == 0
+    assert [daemon for _, daemon in seen] == [None, True, False]
+    seen = [settings for settings, _ in seen]
     assert seen[0] == ChatSettings()
     assert seen[1].spec.proposer == "ngram" and seen[1].sampling.temperature == 0.5 and seen[1].system == "be brief"
 

@@ -58,6 +58,16 @@ def _add_sampling_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=512)
 
 
+def _add_engine_options(p: argparse.ArgumentParser) -> None:
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--daemon", action="store_true", help="answer through this home's resident engine, starting one "
+                       "in the background if none runs, so the next prompt finds the model loaded (also: LOCALSPEC_DAEMON=1)")
+    where.add_argument("--no-daemon", action="store_true", help="answer in this process, even when a resident engine "
+                       "runs (default: use one that runs with the same model and options; also: LOCALSPEC_DAEMON=0)")
+    p.add_argument("--keep-alive", default="5m", metavar="DURATION", help="with --daemon: how long the engine it starts "
+                   "keeps the model loaded after the last answer (30s, 5m, 1h, 0, forever; default 5m)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="localspec", description="Lossless speculative decoding on your own machine.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -74,6 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--quiet", action="store_true", help="no progress or notices on stderr")
     run.add_argument("--verbose", action="store_true",
                      help="after the first line's few words, why these weights and this proposer in full")
+    _add_engine_options(run)
 
     bench = sub.add_parser("bench", help="compare proposers and transformers' generate on a prompt set")
     _add_model_options(bench)
@@ -134,6 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_options(chat)
     chat.add_argument("--system", default="", help="system prompt")
     chat.add_argument("--fake-engine", action="store_true", help=argparse.SUPPRESS)  # scripted answers, for tests
+    _add_engine_options(chat)
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server for editors, agents and web UIs")
     _add_model_options(serve)
@@ -144,6 +156,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--insecure", action="store_true", help="allow a non-local --host without an API key")
     serve.add_argument("--cors", action="append", default=[], metavar="ORIGIN", help="let browsers from ORIGIN call the API (repeatable)")
     serve.add_argument("--queue", type=int, default=8, help="requests that may wait while one generates (beyond: 429)")
+    serve.add_argument("--keep-alive", default="5m", metavar="DURATION", help="unload the model after this long without "
+                       "a request; the next one loads it again (30s, 5m, 1h, 0, forever; default 5m)")
+    serve.add_argument("--exit-when-idle", action="store_true", help="stop the server when the keep-alive unloads the model")
     return parser
 
 
@@ -176,20 +191,66 @@ def cmd_run(args: argparse.Namespace) -> int:
     spec = spec_from(args, args.proposer)
     prompt = _read_prompt(args.prompt)
     check_text(prompt)  # before any model loads
+    say = (lambda line: None) if args.quiet or args.json else (lambda line: print(f"localspec: {line}", file=sys.stderr))
 
-    from localspec.core.stats import GenerationStats
+    if (engine := _resident_engine(args, spec, say)) is not None:
+        from localspec.apps import resident
+
+        try:
+            return _answer(args, engine.generate(prompt, sampling, limits, system=args.system), lambda: engine.about,
+                           resident=engine.record.pid)
+        except resident.EngineLost as lost:
+            if not args.json:
+                print()  # the partial answer's line ends; the whole answer follows
+            say(f"{lost}; answering in-process")
+            resident.find_engine(say)  # a killed engine's file goes now
+
     from localspec.store.measurements import record_generation
-    from localspec.store.session import describe_weights, open_session
+    from localspec.store.session import open_session
 
     session = open_session(args.model, args.proposer, args.dtype, spec, quiet=args.quiet or args.json)
-    if not (args.quiet or args.json):
-        print(f"localspec: {session.entry.name}; {session.summary}", file=sys.stderr)
-        if args.verbose:
-            print(f"localspec: {session.weights_choice}\nlocalspec: {session.proposer_choice}", file=sys.stderr)
+    details = session.details()
+    _first_lines(args, details)
+    draft = session.draft.name if session.draft else None
+    return _answer(args, session.engine.generate(prompt, sampling, limits, system=args.system), lambda: details,
+                   record=lambda stats: record_generation(session.entry.name, session.proposer, stats, draft))
+
+
+def _resident_engine(args: argparse.Namespace, spec: SpecConfig, say):
+    """The resident engine to answer through (started first with --daemon), or None: in-process."""
+    from localspec.apps import resident
+
+    model = load_registry().get(args.model).name
+    record = resident.connect(model, args.dtype, spec, _daemon_choice(args), args.keep_alive, say)
+    if record is None:
+        return None
+    return resident.ResidentEngine(record, say, on_start=lambda about: _first_lines(args, about, record.pid))
+
+
+def _daemon_choice(args: argparse.Namespace) -> bool | None:
+    """--daemon: True (start one if none runs); --no-daemon: False; neither: None (the setting decides)."""
+    return True if args.daemon else False if args.no_daemon else None
+
+
+def _first_lines(args: argparse.Namespace, details: dict, resident: int | None = None) -> None:
+    """The model and, in a few words, its weights and proposer (in full with --verbose)."""
+    if args.quiet or args.json:
+        return
+    where = f" · resident engine, pid {resident}" if resident else ""
+    print(f"localspec: {details['model']}; {details['summary']}{where}", file=sys.stderr)
+    if args.verbose:
+        print(f"localspec: {details['weights_choice']}\nlocalspec: {details['proposer_choice']}", file=sys.stderr)
+
+
+def _answer(args: argparse.Namespace, events, details, record=lambda stats: None, resident: int | None = None) -> int:
+    """Stream the events to stdout (or gather them for --json), then the statistics; `details`
+    gives what runs once the answer has started."""
+    from localspec.core.stats import GenerationStats
+
     text = []
-    stats = GenerationStats(session.proposer, session.reason)  # what an answer stopped before its first pass reports
+    stats = GenerationStats()  # what an answer stopped before its first pass reports
     try:
-        for event in session.engine.generate(prompt, sampling, limits, system=args.system):
+        for event in events:
             stats = event.fold(stats)
             text.append(event.text)
             if not args.json:
@@ -197,17 +258,20 @@ def cmd_run(args: argparse.Namespace) -> int:
                 sys.stdout.flush()
     except KeyboardInterrupt:
         stats.stop_reason = "interrupted"
-    record_generation(session.entry.name, session.proposer, stats, session.draft.name if session.draft else None)
+    finally:
+        events.close()
+    about = details() or {}
+    if not stats.passes and about:  # stopped before its first pass: still this proposer's answer
+        stats.proposer, stats.reason = about["proposer"], about["reason"]
+    record(stats)
     if args.json:
         print(json.dumps({
             "text": "".join(text),
-            "model": session.entry.name,
+            "model": about.get("model"),
             "settings": {
-                "proposer": session.proposer, "dtype": str(session.target.dtype).removeprefix("torch."),
-                "target_weights": describe_weights(session.target),
-                "draft_weights": describe_weights(session.draft) if session.draft else None,
-                "dtype_reason": session.dtype_reason, "device": session.target.device.type,
-                "weights_short": session.weights_choice.short, "proposer_short": session.proposer_choice.short,
+                **{key: about.get(key) for key in ("proposer", "dtype", "target_weights", "draft_weights", "dtype_reason",
+                                                   "device", "weights_short", "proposer_short")},
+                "engine": f"resident (pid {resident})" if resident else "in-process",
                 "draft_len": args.draft_len,
                 "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed,
                 "max_new_tokens": args.max_new_tokens, "system": args.system, "stop": args.stop,
@@ -313,16 +377,20 @@ def cmd_chat(args: argparse.Namespace) -> int:
         sampling=SamplingConfig(args.temperature, args.top_k, args.top_p, args.seed),
         limits=GenerationLimits(args.max_new_tokens), system=args.system,
     )
-    return run_chat(settings, fake_engine=args.fake_engine)
+    return run_chat(settings, fake_engine=args.fake_engine, daemon=_daemon_choice(args), keep_alive=args.keep_alive)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from localspec.apps.serve.app import serve, session_loader
     from localspec.apps.serve.config import ServeConfig
 
+    from localspec.apps.resident import parse_duration
+
     config = ServeConfig(host=args.host, port=args.port, api_key=args.api_key or os.environ.get("LOCALSPEC_API_KEY") or None,
-                         insecure=args.insecure, cors=tuple(args.cors), queue=args.queue)
-    return serve(config, session_loader(args.model, args.proposer, args.dtype, spec_from(args, args.proposer)))
+                         insecure=args.insecure, cors=tuple(args.cors), queue=args.queue,
+                         keep_alive=parse_duration(args.keep_alive), exit_when_idle=args.exit_when_idle)
+    model, spec = load_registry().get(args.model).name, spec_from(args, args.proposer)
+    return serve(config, session_loader(model, args.proposer, args.dtype, spec), model, args.dtype, spec)
 
 
 def _register_own_files(args: argparse.Namespace) -> None:

@@ -91,6 +91,21 @@ class Session:
         and the proposer, each in a few words."""
         return f"{self.weights_choice.short}; {self.proposer_choice.short}"
 
+    def details(self) -> dict:
+        """What a report says about the running pair, as JSON-ready data (the CLI's `--json`, and
+        what the resident engine tells its clients, which print it as an in-process run would)."""
+        weights, proposer = self.weights_choice, self.proposer_choice
+        return {
+            "model": self.entry.name, "proposer": self.proposer, "reason": str(self.reason),
+            "draft": self.draft.name if self.draft else None,
+            "dtype": str(self.target.dtype).removeprefix("torch."), "device": self.target.device.type,
+            "target_weights": describe_weights(self.target),
+            "draft_weights": describe_weights(self.draft) if self.draft else None,
+            "dtype_reason": str(self.dtype_reason), "summary": self.summary,
+            "weights_choice": str(weights), "weights_short": weights.short,
+            "proposer_choice": str(proposer), "proposer_short": proposer.short,
+        }
+
     def switch_proposer(
         self, proposer: str, spec: SpecConfig, reason: Reason,
         status: Callable[[str], None] | None = None, draft_must_pay: bool = False,

@@ -78,11 +78,13 @@ class Api:
         self.service = service
 
     async def health(self, request: Request) -> Response:
-        self.service.ready()
+        if self.service.unloaded:
+            return JSONResponse({"status": "ok", "model": "unloaded after the keep-alive; the next request loads it"})
+        self.service.ready_now()
         return JSONResponse({"status": "ok"})
 
     async def models(self, request: Request) -> Response:
-        served = self.service.ready()
+        served = await self.service.ready()
         return JSONResponse({"object": "list", "data": [
             {"id": served.name, "object": "model", "created": self.service.created, "owned_by": "localspec",
              "context_length": served.engine.context_len},
@@ -94,7 +96,7 @@ class Api:
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     async def chat(self, request: Request) -> Response:
-        served = self.service.ready()
+        served = await self.service.ready()
         body = await read_json(request, self.service.config.max_body)
         messages = parse_messages(body)
         if body.get("echo"):
@@ -111,7 +113,7 @@ class Api:
                                   start, reply)
 
     async def completions(self, request: Request) -> Response:
-        served = self.service.ready()
+        served = await self.service.ready()
         body = await read_json(request, self.service.config.max_body)
         prompt = parse_prompt(body, "prompt", served.engine.vocab_size)
         suffix = parse_prompt(body, "suffix") if body.get("suffix") is not None else None

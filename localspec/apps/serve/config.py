@@ -29,6 +29,10 @@ class ServeConfig:
     """Requests that may wait while one generates; the next gets 429."""
     max_body: int = 4 << 20
     """Largest request body in bytes (413 beyond)."""
+    keep_alive: float | None = None
+    """Idle seconds after which the model is unloaded (the next request loads it again); None: never."""
+    exit_when_idle: bool = False
+    """Stop the server when the keep-alive unloads the model (a resident engine `run --daemon` started)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -58,7 +62,8 @@ class RequireKey:
         self.app, self.key = app, key.encode()
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["path"] != "/health":
+        # /localspec/ is the resident engine's own, behind its own key (apps/serve/resident.py)
+        if scope["type"] == "http" and scope["path"] != "/health" and not scope["path"].startswith("/localspec/"):
             scheme, _, token = Headers(scope=scope).get("authorization", "").partition(" ")
             if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.key):
                 response = error_response(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",

@@ -1,6 +1,8 @@
 """The single stream: one generation at a time on one engine thread, the slot and the queue of
-requests waiting for it (beyond the queue: 429), a client that leaves noticed and its generation
-stopped after the pass in flight, so the engine's cache holds exactly the committed tokens."""
+requests waiting for it (beyond the queue: 429; a waiting client can be told its place), a client
+that leaves noticed and its generation stopped after the pass in flight, so the engine's cache
+holds exactly the committed tokens. The model itself: loaded in the background at start-up,
+unloaded once idle for the keep-alive and loaded again by the next request."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -36,6 +38,10 @@ class Served:
     vocab_size, as a request needs them); the numbers come from the events `generate` yields."""
     about: str = ""
     """Proposer and dtype, and why: printed in the ready line."""
+    details: dict = field(default_factory=dict)
+    """What the resident engine tells its clients about the pair (`Session.details()`)."""
+    record: Callable[[GenerationStats], None] = lambda stats: None
+    """Keeps an answer's figures in this machine's history, as an in-process run does."""
 
 
 class ClientGone(Exception):
@@ -111,6 +117,8 @@ class Turn:
             finish = outcome or FINISH_REASONS.get(stats.stop_reason, "stop")
             self.service.metrics.record(stats, finish)
             self.service.log_generation(stats, finish)
+            if stats.passes:
+                self.service.record(stats)
             self.result = stats, finish
         if not loop.is_closed():
             loop.call_soon_threadsafe(self.queue.put_nowait, last)
@@ -130,6 +138,7 @@ class Turn:
             self.stop.set()
         if self.service.current is self:
             self.service.current = None
+        self.service.last_used = time.monotonic()
         self.service.lock.release()
 
 
@@ -147,9 +156,16 @@ class Service:
         self.token_texts: TokenTexts | None = None
         """The model's tokens as log-probabilities name them, learnt as answers pass."""
         self.waiting = 0
+        self.line: list[object] = []
+        """A ticket per waiting request, first come first: the lock hands the engine on in this order."""
         self.current: Turn | None = None
         """The turn holding the engine."""
         self.closing = False
+        self.last_used = time.monotonic()
+        self.unloaded = False
+        """The model was loaded, then unloaded after the keep-alive: the next request loads it again."""
+        self.reloading: asyncio.Task | None = None
+        self.on_unload: Callable[[], None] = lambda: None
 
     @asynccontextmanager
     async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
@@ -159,9 +175,12 @@ class Service:
         # a daemon thread, so Ctrl-C during a long load ends the process at once; nothing else
         # touches the engine until `served` is set
         threading.Thread(target=self._load, name="localspec-load", daemon=True).start()
+        keeper = asyncio.ensure_future(self._keep_alive()) if self.config.keep_alive is not None else None
         try:
             yield
         finally:
+            if keeper is not None:
+                keeper.cancel()
             self.pool.shutdown(wait=False, cancel_futures=True)
 
     def _load(self) -> None:
@@ -169,9 +188,44 @@ class Service:
             served = self.load()
             self.fim = fim_ids(served.engine.tokenizer)
             self.token_texts = TokenTexts(served.engine.tokenizer)
-            self.served = served
+            self.served, self.last_used = served, time.monotonic()  # idle from now, not since before the load
         except Exception as exc:  # the CLI's loader reports and stops the server; /health shows it
             self.failure = str(exc) or type(exc).__name__
+
+    async def _keep_alive(self) -> None:
+        """Unload the model once nothing has asked for it for `keep_alive` seconds."""
+        limit = self.config.keep_alive
+        while True:
+            await asyncio.sleep(min(max(limit / 4, 0.05), 1.0))
+            if self.served is None or self.lock.locked() or self.waiting or time.monotonic() - self.last_used < limit:
+                continue
+            # here, not at the top: the server's module loads before torch, so that its port opens at once
+            from localspec.store.loading import release_memory
+
+            async with self.lock:  # no answer may start on an engine being dropped
+                name, self.served, self.unloaded = self.served.name, None, True
+                self.fim = self.token_texts = None
+                await self.call(release_memory)
+            self.log(f"unloaded {name} after {limit:g} s idle (--keep-alive); the next request loads it again")
+            self.on_unload()
+
+    async def _reload(self) -> None:
+        """Load the model again after the keep-alive unloaded it (one load for every request asking)."""
+        if self.reloading is None:
+            self.log("loading the model again")
+            self.failure, self.unloaded = None, False
+            self.reloading = asyncio.ensure_future(asyncio.get_running_loop().run_in_executor(None, self._load))
+        try:
+            await asyncio.shield(self.reloading)
+        finally:
+            if self.reloading is not None and self.reloading.done():
+                self.reloading = None
+
+    def record(self, stats: GenerationStats) -> None:
+        try:
+            self.served.record(stats)
+        except OSError as exc:  # a full disk must not cost the client its answer
+            self.log(f"history not saved: {exc}")
 
     def log_generation(self, stats: GenerationStats, finish: str) -> None:
         self.log(f"{finish}: {stats.prompt_tokens} prompt tokens ({stats.cached_tokens} cached), "
@@ -190,27 +244,51 @@ class Service:
         if self.current is not None:
             self.current.stop.set()
 
-    def ready(self) -> Served:
+    def ready_now(self) -> Served:
+        """The model, or 503 while it loads (or failed to)."""
         if self.closing:
             raise ApiError(503, "the server is shutting down")
         if self.served is None:
             raise ApiError(503, f"the model failed to load: {self.failure}" if self.failure else "the model is still loading; try again shortly")
         return self.served
 
+    async def ready(self) -> Served:
+        """The model, loaded again first if the keep-alive unloaded it; 503 while the first load runs."""
+        if self.unloaded and not self.closing:
+            await self._reload()
+        self.last_used = time.monotonic()
+        return self.ready_now()
+
+    async def loaded(self, notify: Callable[[dict], None]) -> Served:
+        """The model, waiting for the first load too (`notify` hears that it is loading)."""
+        told = False
+        while self.served is None and self.failure is None and not self.closing:
+            if not told:
+                notify({"type": "loading"})
+                told = True
+            if self.unloaded:
+                await self._reload()
+            else:
+                await asyncio.sleep(0.05)
+        return await self.ready()
+
     async def turn(self, request: Request, prompt: Callable[[], list[int]],
-                   start: Callable[[list[int]], Iterator[TokenEvent]]) -> Turn:
-        """Wait for the engine (429 if the queue is full), then encode the prompt there, check it,
-        and start the answer (`Turn.begin`)."""
+                   start: Callable[[list[int]], Iterator[TokenEvent]], notify: Callable[[dict], None] | None = None) -> Turn:
+        """Wait for the engine (429 if the queue is full; `notify` hears the answers ahead as they
+        go), then encode the prompt there, check it, and start the answer (`Turn.begin`)."""
         if self.lock.locked() and self.waiting >= self.config.queue:
             with self.metrics.lock:
                 self.metrics.rejected += 1
             raise ApiError(429, f"the server is busy: one answer is generating and {self.waiting} requests are waiting "
                                 f"(the queue holds {self.config.queue}); try again shortly")
         self.waiting += 1
+        ticket = object()
+        self.line.append(ticket)
         try:
-            await until_disconnect(request, self.lock.acquire())
+            await until_disconnect(request, self._acquire(ticket, notify))
         finally:
             self.waiting -= 1
+            self.line.remove(ticket)
         turn = self.current = Turn(self)
         try:
             if self.closing:
@@ -225,6 +303,24 @@ class Service:
             turn.end()
             raise
         return turn
+
+    async def _acquire(self, ticket: object, notify: Callable[[dict], None] | None) -> None:
+        """The engine's lock, telling `notify` how many answers are ahead whenever that changes."""
+        acquiring = asyncio.ensure_future(self.lock.acquire())
+        try:
+            told = 0
+            await asyncio.wait({acquiring}, timeout=0)  # a free engine: taken at once, nothing to tell
+            while not acquiring.done():
+                ahead = self.line.index(ticket) + (self.lock.locked())  # those waiting before it, and the one generating
+                if notify is not None and ahead != told:
+                    notify({"type": "queued", "ahead": ahead})
+                    told = ahead
+                await asyncio.wait({acquiring}, timeout=0.25)
+        except BaseException:
+            if acquiring.done() and not acquiring.cancelled():
+                self.lock.release()
+            acquiring.cancel()
+            raise
 
     def _encode(self, prompt: Callable[[], list[int]]) -> list[int]:
         """On the engine thread: the prompt's ids."""

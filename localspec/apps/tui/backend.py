@@ -1,8 +1,10 @@
 """What the chat needs from the engine side: settings, an engine factory, the loaded engine.
 
 The app is handed a Backend (dependency injection): `SessionBackend` loads real models through
-`localspec.store.session`; `localspec.apps.tui.fake.FakeBackend` scripts answers for tests and demos. Nothing
-here imports torch at module level, so the UI is up before the weights are.
+`localspec.store.session`; `ResidentBackend` chats through this home's resident engine when it runs
+the chat's model and options, else through the SessionBackend it wraps;
+`localspec.apps.tui.fake.FakeBackend` scripts answers for tests and demos. Nothing here imports
+torch at module level, so the UI is up before the weights are.
 """
 
 from __future__ import annotations
@@ -123,3 +125,39 @@ class SessionBackend:
         device = current.target.device.type
         return Loaded(current.engine, entry.name, current.proposer, current.weights_choice, current.proposer_choice,
                       lambda: memory_in_use(device))
+
+
+class ResidentBackend:
+    """The resident engine (`localspec serve`, apps/resident.py) for a model and options it runs, so
+    the chat opens warm; anything else (another model, a proposer picked in the chat) loads in this
+    process through `local`. `daemon` as `resident.connect` takes it."""
+
+    def __init__(self, local: SessionBackend, daemon: bool | None = None, keep_alive: str = "5m") -> None:
+        self.local, self.daemon, self.keep_alive = local, daemon, keep_alive
+
+    @property
+    def registry(self) -> Registry:
+        return self.local.registry
+
+    @registry.setter
+    def registry(self, registry: Registry) -> None:
+        self.local.registry = registry
+
+    def open(self, settings: ChatSettings, status: Callable[[str], None]) -> Loaded:
+        from localspec.apps import resident
+
+        entry = self.registry.get(settings.model)
+        said: list[str] = []
+        record = resident.connect(entry.name, settings.dtype, settings.spec, self.daemon, self.keep_alive, said.append)
+        if record is None:
+            for line in said:
+                status(line)
+            return self.local.open(settings, status)
+        status(f"the resident engine (pid {record.pid}) has {entry.name}; loading it there if it is not loaded")
+        engine = resident.ResidentEngine(record)
+        about = engine.details()
+        engine_process = psutil.Process(record.pid)
+        return Loaded(engine, entry.name, about["proposer"],
+                      Reason(about["weights_choice"], f"{about['weights_short']} · resident engine"),
+                      Reason(about["proposer_choice"], about["proposer_short"]),
+                      lambda: f"{engine_process.memory_info().rss / 2**20:,.0f} MiB RAM in the resident engine")
