@@ -251,3 +251,69 @@ def test_cutting_a_sampled_forbidden_guess_is_detected(monkeypatch):
     counts = sampled_pairs(target, DraftModelProposer(draft), dict(temperature=1.0), n, prompt)
     stat, df = chi2(counts, exact_constrained_pairs(target, SamplingConfig(temperature=1.0), prompt), n)
     assert stat > chi2_limit(df), (stat, df)
+
+
+# -- the server -------------------------------------------------------------------------------------
+
+CHAT_TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
+ASK = [{"role": "user", "content": 'Reply: {"name":"ab","tags":["cd"],"ok":false}'}]
+FORMATS = {
+    "json_schema": {"type": "json_schema", "json_schema": {"name": "reply", "schema": SCHEMA, "strict": True}},
+    "json_object": {"type": "json_object"},
+}
+
+
+def served_engine() -> Engine:
+    return Engine(tiny_model("llama", seed=0), byte_tokenizer(chat_template=CHAT_TEMPLATE), NgramProposer(), SpecConfig(draft_len=3))
+
+
+@pytest.mark.parametrize("kind", FORMATS)
+def test_the_server_holds_chat_and_completions_to_response_format_whole_and_streamed(kind):
+    from test_server_tools_logprobs import openai_client
+
+    schema = SCHEMA if kind == "json_schema" else None
+    reference = served_engine()
+    chat_ids = reference.encode(ASK)
+    want_chat = "".join(ev.text for ev in reference.generate(chat_ids, limits=GenerationLimits(40), grammar=json_grammar(schema)))
+    text_ids = reference.tokenizer.encode("Reply: ")
+    want_text = "".join(ev.text for ev in reference.generate(text_ids, limits=GenerationLimits(40), grammar=json_grammar(schema)))
+    assert want_chat.startswith("{") and want_text.startswith("{")
+    with openai_client(served_engine()) as client:
+        ask = dict(model="tiny", max_tokens=40, temperature=0)
+        whole = client.chat.completions.create(messages=ASK, response_format=FORMATS[kind], **ask)
+        streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+            messages=ASK, response_format=FORMATS[kind], stream=True, **ask) if c.choices)
+        # the client's completions take no response_format of their own: it goes as llama-server's extra field
+        text_format = {"extra_body": {"response_format": FORMATS[kind]}}
+        completion = client.completions.create(prompt="Reply: ", **ask, **text_format)
+        streamed_text = "".join(c.choices[0].text for c in client.completions.create(prompt="Reply: ", stream=True, **ask, **text_format))
+        plain = client.chat.completions.create(messages=ASK, model="tiny", max_tokens=40, temperature=0, response_format={"type": "text"})
+    assert whole.choices[0].message.content == streamed == want_chat
+    assert completion.choices[0].text == streamed_text == want_text
+    assert plain.choices[0].message.content != want_chat, "a text answer is not held to the grammar"
+
+
+def test_the_server_refuses_a_bad_response_format_in_one_line():
+    import openai
+
+    from test_server_tools_logprobs import openai_client
+
+    tools = [{"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}]
+    engine = served_engine()
+    engine.tokenizer.chat_template = CHAT_TEMPLATE + "{# tools #}"  # a template that renders tools, as far as the server can tell
+    with openai_client(engine) as client:
+        for wrong, message in (
+            ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}, "invalid JSON schema: Invalid type: nonsense"),
+            ({"type": "json_schema", "json_schema": {"name": "x", "schema": [1]}}, "a JSON schema must be an object"),
+            ({"type": "json_schema", "json_schema": {"schema": SCHEMA}}, "'response_format.json_schema' must be"),
+            ({"type": "yaml"}, "'response_format' must be"),
+        ):
+            with pytest.raises(openai.BadRequestError, match=message) as caught:
+                client.chat.completions.create(model="tiny", messages=ASK, max_tokens=4, response_format=wrong)
+            assert "\n" not in caught.value.body["message"]
+        with pytest.raises(openai.BadRequestError, match="cannot be combined with 'tools'"):
+            client.chat.completions.create(model="tiny", messages=ASK, max_tokens=4, tools=tools, response_format=FORMATS["json_object"])
+        # tools the model may not call leave the answer free to be held to the schema
+        held = client.chat.completions.create(model="tiny", messages=ASK, max_tokens=4, temperature=0, tools=tools,
+                                              tool_choice="none", response_format=FORMATS["json_object"])
+    assert held.choices[0].message.content.startswith("{")
