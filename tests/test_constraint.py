@@ -53,8 +53,8 @@ NEW_TOKENS = 48
 class GrammarMask(LogitsProcessor):
     """Plain constrained decoding's step: the logits masked by a matcher fed every token so far."""
 
-    def __init__(self, grammar: str, prompt_len: int) -> None:
-        self.matcher = LLMatcher(from_tokenizer(TOKENIZER, n_vocab=len(TOKENIZER), eos_token=TOKENIZER.eos_token_id), grammar)
+    def __init__(self, grammar: str, tokenizer, eos: tuple[int, ...], prompt_len: int) -> None:
+        self.matcher = LLMatcher(from_tokenizer(tokenizer, n_vocab=len(tokenizer), eos_token=list(eos)), grammar)
         self.prompt_len, self.fed = prompt_len, 0
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
@@ -66,7 +66,8 @@ class GrammarMask(LogitsProcessor):
         return scores.masked_fill(~allowed, float("-inf"))
 
 
-def constrained_greedy(model, prompt: list[int], n: int, grammar: str) -> list[int]:
+def constrained_greedy(model, prompt: list[int], n: int, grammar: str, tokenizer=TOKENIZER,
+                       eos: tuple[int, ...] = (TOKENIZER.eos_token_id,)) -> list[int]:
     """One token at a time: mask, argmax, up to the grammar's EOS (not returned) or n tokens; on
     the model as the engine runs it (row-exact attention, the prompt prefilled but its last token)."""
     use_exact_attention(model)
@@ -75,10 +76,10 @@ def constrained_greedy(model, prompt: list[int], n: int, grammar: str) -> list[i
         model(input_ids=torch.tensor([prompt[:-1]]), cache=kv.cache, use_cache=True, logits_to_keep=1)
     ids = torch.tensor([prompt])
     out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=kv.cache, do_sample=False,
-                         max_new_tokens=n, eos_token_id=TOKENIZER.eos_token_id,
-                         logits_processor=LogitsProcessorList([GrammarMask(grammar, len(prompt))]))
+                         max_new_tokens=n, eos_token_id=list(eos),
+                         logits_processor=LogitsProcessorList([GrammarMask(grammar, tokenizer, eos, len(prompt))]))
     answer = out[0, len(prompt):].tolist()
-    return answer[:-1] if answer and answer[-1] == TOKENIZER.eos_token_id else answer
+    return answer[:-1] if answer and answer[-1] in eos else answer
 
 
 def answer(engine: Engine, prompt: list[int], n: int, grammar: str, sampling: SamplingConfig = SamplingConfig()) -> list[int]:
@@ -251,6 +252,28 @@ def test_cutting_a_sampled_forbidden_guess_is_detected(monkeypatch):
     counts = sampled_pairs(target, DraftModelProposer(draft), dict(temperature=1.0), n, prompt)
     stat, df = chi2(counts, exact_constrained_pairs(target, SamplingConfig(temperature=1.0), prompt), n)
     assert stat > chi2_limit(df), (stat, df)
+
+
+@pytest.mark.real_model
+def test_smollm2_answers_json_of_the_schema_exactly_as_plain_constrained_decoding():
+    from localspec.store.loading import load_model
+    from localspec.store.registry import load_registry
+
+    smollm2 = load_model(load_registry().get("smollm2-135m"), torch.float32, progress=False)
+    model, tokenizer = smollm2.model, smollm2.tokenizer
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
+                                               "colours": {"type": "array", "items": {"type": "string"}, "maxItems": 3}},
+              "required": ["name", "age", "colours"], "additionalProperties": False}
+    grammar = json_grammar(schema)
+    plain = Engine(model, tokenizer, None)
+    ids = plain.encode("Give a JSON object describing a person named Ada, aged 36, with her three favourite colours.")
+    expected = constrained_greedy(model, ids, 120, grammar, tokenizer, tuple(sorted(plain.eos)))
+    assert len(expected) < 120, "the grammar ended the answer"
+    jsonschema.validate(json.loads(tokenizer.decode(expected)), schema)
+    for proposer in (NgramProposer(), DraftModelProposer(model)):
+        engine = Engine(model, tokenizer, proposer, SpecConfig(draft_len=6))
+        assert answer(engine, ids, 120, grammar) == expected, proposer
+        assert engine.stats.stop_reason == "grammar"
 
 
 # -- the server -------------------------------------------------------------------------------------
