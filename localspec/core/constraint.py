@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import torch
 
 from localspec.base.errors import LocalspecError
@@ -82,7 +83,6 @@ class Constraint:
             raise LocalspecError(f"invalid grammar: {_one_line(self.matcher.get_error())}")
         self.eos, self.vocab = eos, vocab
         self.words = (vocabulary.vocab_size + 31) // 32  # the mask's 32-bit words per row
-        self.bits = torch.arange(32, dtype=torch.int32)  # (32,): a word's bits, lowest first
 
     @property
     def finished(self) -> bool:
@@ -93,13 +93,12 @@ class Constraint:
         """The draft without the nodes the grammar forbids (`greedy`: every one; sampling: the
         fixed guesses, a sampled node stays as a leaf, see the module's docstring), and the allowed
         tokens at each verify row of it: (N'+1, V) bool on the CPU."""
-        words = torch.full((len(draft) + 1, self.words), -1, dtype=torch.int32)  # (N+1, W): all allowed
+        words = np.full((len(draft) + 1, self.words), -1, dtype=np.int32)  # (N+1, W) bits: all allowed
         self._fill(words[0])
         children: list[list[int]] = [[] for _ in range(len(draft) + 1)]  # by row: the root's, then each node's
         for node, parent in enumerate(draft.parents):
             children[parent + 1].append(node)
         kept: set[int] = set()
-        row_words = words.numpy()  # (N+1, W), a view: host reads of single bits
         # depth first, consuming on the way down and rolling back on the way up; each node's row
         # is filled before its children are judged against it
         stack = [(node, 0) for node in reversed(children[0])]
@@ -111,7 +110,7 @@ class Constraint:
                 path_depth = depth
             token = draft.tokens[node]
             parent_row = draft.parents[node] + 1
-            if not (row_words[parent_row, token >> 5] >> (token & 31)) & 1:
+            if not (words[parent_row, token >> 5] >> (token & 31)) & 1:
                 if not greedy and draft.probs[node] is not None:
                     kept.add(node)  # a sampled node: its rejection still moves p to the residual
                 continue
@@ -130,8 +129,9 @@ class Constraint:
                        [draft.probs[n] for n in order], draft.label,
                        [draft.confidences[n] for n in order] if draft.confidences else [], draft.steps)
         rows = words[[0] + [n + 1 for n in order]]  # (N'+1, W)
-        allowed = ((rows[:, :, None] >> self.bits) & 1).bool().flatten(1)  # (N'+1, 32 W)
-        return pruned, allowed[:, : self.vocab]  # (N'+1, V)
+        # a word's bytes lowest first (little-endian, as every machine torch runs on), each byte's bits lowest first
+        bits = np.unpackbits(rows.view(np.uint8), axis=1, count=self.vocab, bitorder="little")  # (N'+1, V) uint8
+        return pruned, torch.from_numpy(bits.view(np.bool_))  # (N'+1, V): 0 and 1 read as bool, no copy
 
     def advance(self, tokens: list[int]) -> None:
         """The committed tokens, each allowed by the mask it was chosen under, up to an EOS (the
@@ -140,9 +140,9 @@ class Constraint:
         if not self.matcher.consume_tokens(tokens[:end]):
             raise LocalspecError(f"the grammar refused a committed token: {_one_line(self.matcher.get_error())}")
 
-    def _fill(self, row: torch.Tensor) -> None:
+    def _fill(self, row: np.ndarray) -> None:
         """The allowed tokens after the matcher's state, as bits into `row` (W,) int32."""
-        self.matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
+        self.matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
 
 
 def _one_line(problem) -> str:
