@@ -18,6 +18,11 @@ target's logits at every position it commits (row 0 after the root, row node + 1
 node), so each emitted token carries its exact log-probability under the target, whatever drafted
 it. `echo` adds the prompt's own tokens; scored, they need every prompt row's logits, which the
 prefill otherwise skips (`_prefill`'s `scored`).
+
+Structured output, only when a generation asks for it (`grammar`): a `core.constraint.Constraint`
+cuts the guesses its grammar forbids before the pass and masks the pass's logits before the
+acceptance rule (so log-probabilities are those of the distribution the grammar leaves); after the
+commit it advances by the committed tokens, and a complete grammar ends the answer.
 """
 
 from __future__ import annotations
