@@ -68,6 +68,30 @@ def tiny_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>")
 
 
+def byte_tokenizer(chars: str = "".join(chr(32 + i) for i in range(95)), chat_template: str | None = None):
+    """A real fast tokenizer with a byte-level decoder (what the grammar library reads): each of
+    `chars` one token, in order (the default: CharTokenizer's ids, id = ord(c) - 32), then "</s>",
+    the EOS."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    byte_level = _bytes_to_unicode()
+    vocab = {byte_level[ord(c)]: i for i, c in enumerate(chars)} | {"</s>": len(chars)}
+    backend = Tokenizer(models.BPE(vocab, []))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="</s>")
+    tokenizer.chat_template = chat_template
+    return tokenizer
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte-level alphabet: each byte as the character its byte-level tokens spell it with."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)]
+    moved = [b for b in range(256) if b not in kept]
+    return {b: chr(b) for b in kept} | {b: chr(256 + i) for i, b in enumerate(moved)}
+
+
 class CharTokenizer:
     """Printable ASCII as token ids (id = ord(c) - 32); id 0 (space) ... 94 ('~'), 95 = EOS."""
 

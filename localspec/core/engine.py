@@ -18,6 +18,11 @@ target's logits at every position it commits (row 0 after the root, row node + 1
 node), so each emitted token carries its exact log-probability under the target, whatever drafted
 it. `echo` adds the prompt's own tokens; scored, they need every prompt row's logits, which the
 prefill otherwise skips (`_prefill`'s `scored`).
+
+Structured output, only when a generation asks for it (`grammar`): a `core.constraint.Constraint`
+cuts the guesses its grammar forbids before the pass and masks the pass's logits before the
+acceptance rule (so log-probabilities are those of the distribution the grammar leaves); after the
+commit it advances by the committed tokens, and a complete grammar ends the answer.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import torch
 
 from localspec.base.config import GenerationLimits, SamplingConfig, SpecConfig
 from localspec.base.errors import is_out_of_memory
+from localspec.core.constraint import Constraint, grammar_vocabulary
 from localspec.core.policy import DraftPolicy, Proposal
 from localspec.core.prompt import chat_ids, check_ids, check_text
 from localspec.core.proposers.base import Proposer
@@ -152,6 +158,8 @@ class Engine:
         self.clock = clock
         """Seconds, for every figure the engine measures (a test gives a clock of its own)."""
         self.stats = GenerationStats()
+        self.vocabulary = None
+        """The tokenizer as the grammar library reads it, built for the first constrained answer."""
 
     @property
     def proposer_name(self) -> str:
@@ -171,11 +179,13 @@ class Engine:
     # -- the step --------------------------------------------------------------------------------
 
     def _speculative_step(self, tokens: list[int], room: int, sampling: SamplingConfig, generator,
-                          logprobs: int | None = None) -> tuple[list[int], int, list[Likelihood] | None]:
+                          logprobs: int | None = None, constraint: Constraint | None = None,
+                          ) -> tuple[list[int], int, list[Likelihood] | None]:
         """One target pass, top to bottom: plan the draft, verify it and take the target's own next
         token in the same pass, commit what was accepted, learn. Returns the accepted guesses, the
         target's token and, with `logprobs` (alternatives per token), the likelihoods of those
-        tokens (room: tokens the answer may still take)."""
+        tokens (room: tokens the answer may still take). A `constraint` (structured output) cuts
+        the guesses its grammar forbids and masks the target's logits before the acceptance rule."""
         started = self.clock()
         past = len(self.kv)  # every committed token but the last, the root
         if self.costs is not None:
@@ -183,9 +193,9 @@ class Engine:
         # 1. plan: the policy decides lookup or model and the draft's size; the pass's own token needs room too
         proposal = self._guarded(self.policy.plan, Proposal(Draft.chain([])), self.proposer, self.lookup, tokens,
                                  min(room - 1, self.max_nodes), sampling, generator)
+        draft, allowed = constraint.prune(proposal.draft, sampling.greedy) if constraint else (proposal.draft, None)  # allowed (N+1, V) bool
         drafted = self.clock()
         # 2. one target pass over [root] + draft; out of memory: half the nodes, now and from then on
-        draft = proposal.draft
         while True:
             ids, positions, mask = verify_inputs(draft, tokens[-1], past)  # (1, N+1) each; a tree's mask (1, 1, N+1, past+N+1)
             plan = None if mask is None else RowPlan.from_rows(past, visible_rows(draft), self.device)
@@ -198,6 +208,8 @@ class Engine:
                 self.max_nodes = len(draft) // 2
                 self.stats.notices.append(f"out of memory verifying {len(draft)} drafted tokens; drafting at most {self.max_nodes} from now on")
                 draft = draft.first(self.max_nodes)
+        if allowed is not None:  # the grammar's tokens only, for greedy and sampling alike
+            logits = logits.masked_fill(~allowed[: len(draft) + 1].to(logits.device), float("-inf"))  # (N+1, V)
         # 3. the acceptance rule: the path the target agrees with (greedy, or lossless rejection sampling), then its own token
         verdict = verify(draft, logits, sampling, generator)
         accepted = [draft.tokens[node] for node in verdict.accepted]
@@ -205,6 +217,8 @@ class Engine:
         scored = None if logprobs is None else likelihoods(logits[rows], [*accepted, verdict.next_token], logprobs)
         # 4. commit: the root and the accepted path stay in the cache (pass rows 0 and node + 1), the rejected nodes go
         self._commit(past, [tokens[-1], *accepted], rows)
+        if constraint is not None:
+            constraint.advance([*accepted, verdict.next_token])
         verified = self.clock()
         # 5. learn: the policy credits each part's guesses; the statistics and the kill switch count the pass
         own = self.policy.learn(proposal, accepted, verified - started)  # the model's own accepted guesses, or None
@@ -276,6 +290,12 @@ class Engine:
         found = [None, *scored] if scored is not None else [None] * len(tokens)
         return [Piece(detok.push(token) if detok else "", token, False, likelihood) for token, likelihood in zip(tokens, found)]
 
+    def _constraint(self, grammar: str) -> Constraint:
+        """An answer's grammar at its start (the tokenizer as the grammar reads it is built once)."""
+        if self.vocabulary is None:
+            self.vocabulary = grammar_vocabulary(self.tokenizer, self.eos, self.vocab_size)
+        return Constraint(grammar, self.vocabulary, self.eos, self.vocab_size)
+
     @torch.inference_mode()
     def score(self, prompt: list[int], logprobs: int | None = None) -> Iterator[TokenEvent]:
         """The prompt alone, no answer (`echo` with max_tokens 0): one FinalEvent whose `echoed`
@@ -298,18 +318,21 @@ class Engine:
         system: str | None = None,
         logprobs: int | None = None,
         echo: bool = False,
+        grammar: str | None = None,
     ) -> Iterator[TokenEvent]:
         """Stream the answer: one TokenEvent per target pass (its pieces may be empty while a stop
         string or an unfinished character holds text back), so a consumer (the server on a
         disconnect, the chat's stop key) can stop between any two passes. Each event carries its
         pass's figures, the last one (a FinalEvent) the finished statistics. `logprobs`: each piece
         also carries its token's likelihood with that many alternatives; `echo`: the first event
-        also carries the prompt's tokens (scored too, with `logprobs`)."""
+        also carries the prompt's tokens (scored too, with `logprobs`); `grammar` (from
+        `constraint.json_grammar`): the answer is held to it, and ends where it ends."""
         if isinstance(prompt, str):
             check_text(prompt)
         tokens = list(prompt) if prompt and isinstance(prompt[0], int) else self.encode(prompt, system)
         check_ids(tokens, self.context_len)
         generator = make_generator(sampling.seed, self.device)
+        constraint = self._constraint(grammar) if grammar is not None else None
         scoring = logprobs if echo else None  # the prompt's own tokens scored: a prefill that keeps nothing cached
         stats = self.stats = GenerationStats(
             proposer=self.proposer_name, reason=self.proposer_reason, prompt_tokens=len(tokens),
@@ -328,7 +351,7 @@ class Engine:
         noticed = 0  # notices already on an event (one raised in the prefill goes on the first)
         while True:
             before, produced_before = stats.counted(), produced  # the step counts into stats
-            accepted, next_token, found = self._speculative_step(tokens, budget - produced, sampling, generator, logprobs)
+            accepted, next_token, found = self._speculative_step(tokens, budget - produced, sampling, generator, logprobs, constraint)
             plain = (len(accepted) + 1) * self.costs.verify(1) if self.costs is not None else 0.0
 
             new = [(token, True) for token in accepted] + [(next_token, False)]
@@ -348,6 +371,8 @@ class Engine:
                 if produced >= budget:
                     stop = "max tokens" if produced >= limits.max_new_tokens else "context limit"
                     break
+            if stop in ("", "eos") and constraint is not None and constraint.finished:
+                stop = "grammar"  # complete: only an EOS could follow, so no pass is spent on one
             if stop and not scanner.stopped:
                 pieces += scanner.flush()
             # Tokens after a stop never happened; the cache entries past them are dropped by the

@@ -1,7 +1,9 @@
 """The endpoints: /health, /metrics, /v1/models, /v1/chat/completions (with tool calls) and
 /v1/completions (with fill-in-the-middle when the model has the tokens, and `echo`), answered whole
 or as server-sent events, each answer with its `usage` and `timings`, and its log-probabilities
-when asked."""
+when asked. Both hold an answer to `response_format` (JSON, a schema) when asked; with tools a chat
+refuses it unless `tool_choice` is "none": one answer cannot be held to a schema and also be free to
+call a tool in the template's own form."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from localspec.apps.serve.logprobs import TokenTexts, chat_logprobs, completion_logprobs, learning
 from localspec.apps.serve.metrics import timings
 from localspec.apps.serve.requests import (ApiError, parse_echo, parse_logprobs, parse_messages, parse_prompt,
-                                           parse_settings, read_json)
+                                           parse_response_format, parse_settings, read_json)
 from localspec.apps.serve.tools import ToolCall, ToolCallScanner, ToolRequest, parse_tools
 from localspec.apps.serve.turns import ClientGone, Service, Turn, until_disconnect
 from localspec.base.errors import LocalspecError
@@ -102,12 +104,16 @@ class Api:
         if body.get("echo"):
             raise ApiError(400, "'echo' is for /v1/completions; chat answers do not repeat the prompt", "echo")
         tools = parse_tools(body, served.engine.tokenizer, served.name)
+        grammar = parse_response_format(body)
+        if grammar is not None and tools is not None:
+            raise ApiError(400, "'response_format' cannot be combined with 'tools' that the model may call; "
+                                "send tool_choice \"none\" for a JSON answer, or drop 'response_format'", "response_format")
         sampling, limits = parse_settings(body, served.name, served.engine.context_len)
         reply = Reply(chat=True, logprobs=parse_logprobs(body, chat=True), tools=tools)
         shown = tools.messages(messages) if tools else messages
 
         def start(ids: list[int]):
-            return served.engine.generate(ids, sampling, limits, logprobs=reply.logprobs)
+            return served.engine.generate(ids, sampling, limits, logprobs=reply.logprobs, grammar=grammar)
 
         return await self._answer(request, body, lambda: served.engine.encode(shown, tools=tools.tools if tools else None),
                                   start, reply)
@@ -118,6 +124,7 @@ class Api:
         prompt = parse_prompt(body, "prompt", served.engine.vocab_size)
         suffix = parse_prompt(body, "suffix") if body.get("suffix") is not None else None
         echo = parse_echo(body)
+        grammar = parse_response_format(body)
         sampling, limits = parse_settings(body, served.name, served.engine.context_len, prompt_only=echo)
         reply = Reply(chat=False, logprobs=parse_logprobs(body, chat=False))
         tokenizer, fim = served.engine.tokenizer, self.service.fim
@@ -141,7 +148,7 @@ class Api:
         def start(ids: list[int]):
             if limits is None:  # max_tokens 0: the prompt alone
                 return served.engine.score(ids, reply.logprobs)
-            return served.engine.generate(ids, sampling, limits, logprobs=reply.logprobs, echo=echo)
+            return served.engine.generate(ids, sampling, limits, logprobs=reply.logprobs, echo=echo, grammar=grammar)
 
         return await self._answer(request, body, build, start, reply)
 

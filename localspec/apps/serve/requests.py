@@ -1,7 +1,8 @@
 """What a request may ask: its JSON body, checked against OpenAI's fields and ranges, becomes the
 messages or prompt, the engine's sampling settings and limits, and the log-probabilities wanted; a
 refusal is an `ApiError`, answered as an OpenAI error object (so are unknown paths, wrong methods and
-internal errors). Tools are checked in `tools`."""
+internal errors). Tools are checked in `tools`; `response_format` becomes the grammar the answer is
+held to (`core.constraint`)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from localspec.base.config import GenerationLimits, SamplingConfig
+from localspec.base.errors import LocalspecError
+from localspec.core.constraint import json_grammar
 
 FIM_TOKENS = (("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"), ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"))
 """Fill-in-the-middle tokens, Qwen2.5-Coder's and StarCoder's spelling (prefix, suffix, middle)."""
@@ -163,6 +166,29 @@ def parse_logprobs(body: dict, chat: bool) -> int | None:
             raise ApiError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs")
         return None
     return top or 0
+
+
+def parse_response_format(body: dict) -> str | None:
+    """`response_format`: the grammar a JSON answer is held to; None: text. `json_object` is any
+    JSON object, `json_schema` its schema (always enforced: `strict: false` is held as strictly)."""
+    value = body.get("response_format")
+    kind = value.get("type") if isinstance(value, dict) else None
+    if value is None or kind == "text":
+        return None
+    if kind not in ("json_object", "json_schema"):
+        raise ApiError(400, "'response_format' must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or "
+                            "{\"type\": \"json_schema\", \"json_schema\": {\"name\": ..., \"schema\": {...}}}", "response_format")
+    schema = None
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("name"), str) or not spec["name"]:
+            raise ApiError(400, "'response_format.json_schema' must be {\"name\": ..., \"schema\": {...}, \"strict\": true}", "response_format")
+        _typed(spec, "strict", (bool,), "true or false")
+        schema = spec.get("schema", {})  # OpenAI's default: no schema, any JSON value
+    try:
+        return json_grammar(schema)
+    except LocalspecError as exc:
+        raise ApiError(400, str(exc), "response_format") from None
 
 
 def parse_settings(body: dict, model: str, context_len: int, prompt_only: bool = False) -> tuple[SamplingConfig, GenerationLimits | None]:

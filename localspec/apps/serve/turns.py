@@ -25,7 +25,7 @@ from localspec.core.events import TokenEvent
 from localspec.core.prompt import PromptRefused, check_ids
 from localspec.core.stats import GenerationStats
 
-FINISH_REASONS = {"eos": "stop", "stop string": "stop", "max tokens": "length", "context limit": "length"}
+FINISH_REASONS = {"eos": "stop", "grammar": "stop", "stop string": "stop", "max tokens": "length", "context limit": "length"}
 
 
 @dataclass
