@@ -41,3 +41,20 @@ def test_the_pool_follows_the_free_cores_and_says_so_only_when_it_changes(thread
         assert len(said) == (expected if machine.THREADS > 1 else 0)
     if machine.THREADS > 1:
         assert "runs on 1 thread" in said[0] and "quiet again" in said[1]
+
+
+def test_a_session_sizes_the_pool_before_it_times_or_loads_anything(threads, monkeypatch):
+    from localspec.base.errors import LocalspecError
+    from localspec.store import session
+
+    monkeypatch.setattr(machine, "free_cores", lambda: 1)
+    seen = []
+
+    def load_models(*args, **kwargs):
+        seen.append(torch.get_num_threads())
+        raise LocalspecError("stopped here")
+
+    monkeypatch.setattr(session, "load_models", load_models)
+    with pytest.raises(LocalspecError, match="stopped here"):
+        session.open_session("smollm2-135m", "none", quiet=True)
+    assert seen == [1]

@@ -28,7 +28,7 @@ from localspec.runtime.costs import CostModel, WIDTHS, cost_model
 from localspec.store import proposer_catalog
 from localspec.store.cleanup import discard_unused
 from localspec.store.loading import LoadedModel, load_model, pick_device, release_memory
-from localspec.store.machine import check_tokenizers, situation
+from localspec.store.machine import check_tokenizers, fit_threads, situation
 from localspec.store.paths import fetched_gguf, hub_snapshot
 from localspec.store.measurements import (
     draft_format_key, dtype_key, load_calibration, measured_costs, measured_curves, save_calibration,
@@ -410,6 +410,8 @@ def open_session(
     registry = registry or load_registry()
     entry = registry.get(model)
     spec = spec or SpecConfig(proposer=proposer)
+    if pick_device().type == "cpu":  # before any pass is timed: a calibration holds for its thread count
+        fit_threads(lambda line: notice(line, quiet))
     ranked = rank_proposers(proposer, entry, registry, **situation(registry, entry.name))
     held: Session | None = None
     refused: list[tuple[Candidate, Reason]] = []
