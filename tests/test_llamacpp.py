@@ -323,7 +323,9 @@ def test_report_prints_the_ratios_per_prompt(capsys):
             "prompt_processing": {"localspec": {"w8a8": {"prompt_tokens": 536, "ttft_seconds": 2.5}},
                                   "llama_cpp": {"prompt_tokens": 536, "seconds": 1.0}},
             "one_shot": {"prompt": "code-edit", "tokens": 64, "localspec": {"seconds": 23.3, "peak_rss_mb": 5120.0},
-                         "llama_cpp": {"seconds": 4.2, "peak_rss_mb": 2764.8}},
+                         "llama_cpp": {"seconds": 4.2, "peak_rss_mb": 2764.8},
+                         "localspec_resident": {"seconds": 3.5, "ttft_seconds": 0.3, "decode_seconds": 3.2,
+                                                "wall_over_decode": 3.5 / 3.2}},
         },
     }
     json.dumps(report)  # the report is written as JSON too
@@ -334,12 +336,15 @@ def test_report_prints_the_ratios_per_prompt(capsys):
     assert "| llama.cpp best speculative | 16.00 (ngram-mod) | - |" in out
     assert "| localspec (w8a8) | 83 | 154 | 1.86x |" in out and "| llama.cpp | 34 | 188 | 5.53x |" in out
     assert "localspec run 23.3 s vs llama-completion 4.2 s (5.55x), peak memory 5.00 GB vs 2.70 GB (1.85x)" in out
+    assert ("one-shot through the resident engine: 3.50 s, first token after 0.30 s, 1.09x its own decode time "
+            "(3.20 s); 0.83x llama-completion's wall clock") in out
 
 
 def test_bench_side_with_fake_tools(tmp_path, monkeypatch, capsys):
     import localspec.apps.bench as bench
 
     monkeypatch.setattr(bench, "localspec_one_shot", lambda model, prompt: {"seconds": 20.0, "peak_rss_mb": 4000.0})
+    monkeypatch.setattr(bench, "localspec_resident_one_shot", lambda model, prompt: {"skipped": "not here"})
     tools = LlamaCpp.at(fake_tools(tmp_path, ALL_OK), 2)
     # localspec read 53 tokens where the fake llama.cpp says 52: the comparison is flagged
     side = bench.LlamaCppSide(tools, Path("t.gguf"), Path("d.gguf"), ["<text>"], [53], "long", "<long text>")

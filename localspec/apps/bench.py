@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import platform
+import subprocess
 import sys
 import time
 from dataclasses import dataclass, replace
@@ -338,6 +339,7 @@ def bench_llama_cpp(side: LlamaCppSide, entry, prompts: list[dict], max_new: int
         "prompt": prompts[0]["name"], "tokens": ONE_SHOT_TOKENS,
         "llama_cpp": tools.one_shot(side.gguf, side.texts[0], ONE_SHOT_TOKENS),
         "localspec": localspec_one_shot(entry.name, prompts[0]["prompt"]),
+        "localspec_resident": localspec_resident_one_shot(entry.name, prompts[0]["prompt"]),
     }
     return {
         "bin_dir": str(tools.bin_dir), "threads": tools.threads, "gguf": str(side.gguf),
@@ -358,11 +360,45 @@ def bench_llama_cpp(side: LlamaCppSide, entry, prompts: list[dict], max_new: int
 
 
 def localspec_one_shot(model: str, prompt: str) -> dict:
-    """`localspec run` as a one-shot user starts it (default proposer and weights), start to end."""
+    """`localspec run` as a one-shot user starts it (default proposer and weights, in its own
+    process), start to end."""
     cmd = [sys.executable, "-m", "localspec.apps.cli", "run", "--model", model, "--max-new-tokens", str(ONE_SHOT_TOKENS),
-           "--quiet", "--", prompt]
+           "--quiet", "--no-daemon", "--", prompt]
     run = measured_run(cmd, "localspec run")
     return {"seconds": run.seconds, "peak_rss_mb": run.peak_rss_mb}
+
+
+def localspec_resident_one_shot(model: str, prompt: str) -> dict:
+    """The same one-shot answered by a resident engine that already holds the model (started here
+    and stopped after; warmed by another prompt, so this one's prefill is not cached): start to
+    end, the answer's own decode time, and the first token's time as the user sees it."""
+    from localspec.apps import resident
+
+    if resident.find_engine() is not None:
+        return {"skipped": "a resident engine already runs for this home: stop it to measure one started here"}
+    engine = subprocess.Popen([sys.executable, "-m", "localspec.apps.cli", "serve", "--model", model, "--port", "0",
+                               "--keep-alive", "forever"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + resident.STARTUP_SECONDS
+        while (record := resident.find_engine()) is None or record.pid != engine.pid:
+            if engine.poll() is not None or time.monotonic() > deadline:
+                raise LocalspecError("the resident engine for the one-shot benchmark did not start")
+            time.sleep(0.1)
+        resident.ResidentEngine(record).details()  # loaded
+        cmd = [sys.executable, "-m", "localspec.apps.cli", "run", "--model", model, "--max-new-tokens",
+               str(ONE_SHOT_TOKENS), "--json", "--"]
+        measured_run([*cmd, "Say hello."], "localspec run (resident)")
+        run = measured_run([*cmd, prompt], "localspec run (resident)")
+    finally:
+        engine.terminate()
+        engine.wait(30)
+    stats = json.loads(run.stdout)["stats"]
+    engine_seconds = stats["ttft_seconds"] + stats["decode_seconds"]
+    return {"seconds": run.seconds, "decode_seconds": stats["decode_seconds"],
+            "wall_over_decode": run.seconds / stats["decode_seconds"] if stats["decode_seconds"] else None,
+            "ttft_seconds": run.seconds - engine_seconds + stats["ttft_seconds"], "engine_ttft_seconds": stats["ttft_seconds"],
+            "new_tokens": stats["new_tokens"]}
 
 
 def _x(ratio: float | None) -> str:
@@ -410,3 +446,8 @@ def print_llama_cpp(report: dict) -> None:
               f"({_x(ls['peak_rss_mb'] / lc['peak_rss_mb'])})" if ls["peak_rss_mb"] and lc["peak_rss_mb"] else "")
     print(f"one-shot {shot['tokens']} tokens ({shot['prompt']}), start-up included: localspec run {ls['seconds']:.1f} s "
           f"vs llama-completion {lc['seconds']:.1f} s ({_x(ls['seconds'] / lc['seconds'])}){memory}")
+    warm = shot.get("localspec_resident", {})
+    if "seconds" in warm:
+        print(f"one-shot through the resident engine: {warm['seconds']:.2f} s, first token after {warm['ttft_seconds']:.2f} s, "
+              f"{_x(warm['wall_over_decode'])} its own decode time ({warm['decode_seconds']:.2f} s); "
+              f"{_x(warm['seconds'] / lc['seconds'])} llama-completion's wall clock")
