@@ -110,10 +110,11 @@ def arch(request):
     return request.param
 
 
-def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
+def hf_greedy(model, prompt: list[int], n: int, **options) -> list[int]:
     """transformers' own greedy decoding, one token per step, on the model as the engine runs it:
     the row-exact attention (see localspec/attention.py), and the cache filled with every prompt
-    token but the last in one prompt pass (quant.prompt_pass), as the engine's prefill does."""
+    token but the last in one prompt pass (quant.prompt_pass), as the engine's prefill does.
+    `options` go to `generate` (none: exactly n tokens)."""
     from localspec.runtime.attention import use_exact_attention
     from localspec.runtime.kv import KVCache
     from localspec.runtime.quant import prompt_pass
@@ -124,7 +125,7 @@ def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
         model(input_ids=torch.tensor([prompt[:-1]]), cache=kv.cache, use_cache=True, logits_to_keep=1)
     ids = torch.tensor([prompt])
     out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=kv.cache, do_sample=False,
-                         max_new_tokens=n, min_new_tokens=n)
+                         max_new_tokens=n, **(options or {"min_new_tokens": n}))
     return out[0, len(prompt):].tolist()
 
 

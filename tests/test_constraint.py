@@ -17,7 +17,7 @@ from llguidance import LLMatcher
 from llguidance.hf import from_tokenizer
 from transformers import LogitsProcessor, LogitsProcessorList
 
-from conftest import byte_tokenizer, tiny_model
+from conftest import byte_tokenizer, hf_greedy, tiny_model
 from localspec.base.config import GenerationLimits, SamplingConfig, SpecConfig
 from localspec.base.errors import LocalspecError
 from localspec.core import constraint as constraint_module
@@ -27,9 +27,6 @@ from localspec.core.proposers import DraftModelProposer, NgramProposer
 from localspec.core.proposers.eagle import EagleProposer
 from localspec.core.sampling import probs_from_logits
 from localspec.core.tree import Draft
-from localspec.runtime.attention import use_exact_attention
-from localspec.runtime.kv import KVCache
-from localspec.runtime.quant import prompt_pass
 from test_eagle import CHEAP_WIDE_PASSES, random_head
 from test_engine import RandomGuesser
 from test_lossless_sampling import chi2, chi2_limit, models
@@ -70,15 +67,8 @@ def constrained_greedy(model, prompt: list[int], n: int, grammar: str, tokenizer
                        eos: tuple[int, ...] = (TOKENIZER.eos_token_id,)) -> list[int]:
     """One token at a time: mask, argmax, up to the grammar's EOS (not returned) or n tokens; on
     the model as the engine runs it (row-exact attention, the prompt prefilled but its last token)."""
-    use_exact_attention(model)
-    kv = KVCache()
-    with torch.no_grad(), prompt_pass():
-        model(input_ids=torch.tensor([prompt[:-1]]), cache=kv.cache, use_cache=True, logits_to_keep=1)
-    ids = torch.tensor([prompt])
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=kv.cache, do_sample=False,
-                         max_new_tokens=n, eos_token_id=list(eos),
-                         logits_processor=LogitsProcessorList([GrammarMask(grammar, tokenizer, eos, len(prompt))]))
-    answer = out[0, len(prompt):].tolist()
+    answer = hf_greedy(model, prompt, n, eos_token_id=list(eos),
+                       logits_processor=LogitsProcessorList([GrammarMask(grammar, tokenizer, eos, len(prompt))]))
     return answer[:-1] if answer and answer[-1] in eos else answer
 
 
