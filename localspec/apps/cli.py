@@ -17,7 +17,7 @@ from localspec.base.config import DRAFT_QUANTS, DTYPES, QUANTS, GenerationLimits
 from localspec.base.errors import LocalspecError
 from localspec.core.prompt import check_text
 from localspec.store import proposer_catalog
-from localspec.store.measurements import pair_key
+from localspec.store.history import pair_key
 from localspec.store.registry import load_registry
 
 PROPOSER_HELP = "; ".join(f"{kind.name}: {kind.about}" for kind in proposer_catalog.KINDS.values())
@@ -178,7 +178,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     check_text(prompt)  # before any model loads
 
     from localspec.core.stats import GenerationStats
-    from localspec.store.measurements import record_generation
+    from localspec.store.history import record_generation
     from localspec.store.session import describe_weights, open_session
 
     session = open_session(args.model, args.proposer, args.dtype, spec, quiet=args.quiet or args.json)
