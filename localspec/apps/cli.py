@@ -11,8 +11,10 @@ import argparse
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
+from localspec.base import timings
 from localspec.base.config import DRAFT_QUANTS, DTYPES, QUANTS, GenerationLimits, SamplingConfig, SpecConfig, eagle_head_dir
 from localspec.base.errors import LocalspecError
 from localspec.core.prompt import check_text
@@ -74,6 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--quiet", action="store_true", help="no progress or notices on stderr")
     run.add_argument("--verbose", action="store_true",
                      help="after the first line's few words, why these weights and this proposer in full")
+    run.add_argument("--timings", action="store_true",
+                     help="after the answer, where the wall clock went: imports, registry, tokenizer, loads, "
+                     "calibration, prefill, decode (also in --json)")
 
     bench = sub.add_parser("bench", help="compare proposers and transformers' generate on a prompt set")
     _add_model_options(bench)
@@ -177,9 +182,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     prompt = _read_prompt(args.prompt)
     check_text(prompt)  # before any model loads
 
-    from localspec.core.stats import GenerationStats
-    from localspec.store.history import record_generation
-    from localspec.store.session import describe_weights, open_session
+    timings.record("imports", timings.since_process_start())
+    with timings.phase("imports"):
+        from localspec.core.stats import GenerationStats
+        from localspec.store.history import record_generation
+        from localspec.store.session import describe_weights, open_session
 
     session = open_session(args.model, args.proposer, args.dtype, spec, quiet=args.quiet or args.json)
     if not (args.quiet or args.json):
@@ -188,6 +195,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             print(f"localspec: {session.weights_choice}\nlocalspec: {session.proposer_choice}", file=sys.stderr)
     text = []
     stats = GenerationStats(session.proposer, session.reason)  # what an answer stopped before its first pass reports
+    generation_started = time.perf_counter()
     try:
         for event in session.engine.generate(prompt, sampling, limits, system=args.system):
             stats = event.fold(stats)
@@ -197,6 +205,8 @@ def cmd_run(args: argparse.Namespace) -> int:
                 sys.stdout.flush()
     except KeyboardInterrupt:
         stats.stop_reason = "interrupted"
+    timings.record("prefill", stats.ttft_seconds)
+    timings.record("decode", time.perf_counter() - generation_started - stats.ttft_seconds)
     record_generation(session.entry.name, session.proposer, stats, session.draft.name if session.draft else None)
     if args.json:
         print(json.dumps({
@@ -213,6 +223,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                 "max_new_tokens": args.max_new_tokens, "system": args.system, "stop": args.stop,
             },
             "stats": stats.to_dict(),
+            **({"timings": timings.breakdown()} if args.timings else {}),
         }, indent=1))
     else:
         sys.stdout.write("\n")
@@ -220,6 +231,8 @@ def cmd_run(args: argparse.Namespace) -> int:
             for notice in stats.notices:
                 print(f"localspec: {notice}", file=sys.stderr)
             print(stats.summary(), file=sys.stderr)
+        if args.timings:
+            print(f"localspec: {timings.summary(timings.breakdown())}", file=sys.stderr)
     return 0
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from localspec.base import timings
 from localspec.base.config import home_dir
 from localspec.base.files import read_json_object, update_json_object
 from localspec.kernels.cpu_build import sources_digest
@@ -84,6 +85,7 @@ def draft_format_key(draft: str, dtype: torch.dtype, candidates: tuple[str, ...]
 _BUSY_SAID: set[str] = set()
 
 
+@timings.phase("calibration")
 def measured_curves(name: str, model: torch.nn.Module, widths: tuple[int, ...] = costs.WIDTHS,
                     contexts: tuple[int, ...] = costs.CONTEXTS, say: Callable[[str], None] = print_notice,
                     ) -> dict[int, dict[int, float]]:

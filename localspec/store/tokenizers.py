@@ -20,6 +20,7 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from localspec.base import timings
 from localspec.base.errors import LocalspecError, first_line
 from localspec.base.files import hold, write_atomic, write_text_atomic
 from localspec.store.gguf_mirror import ensure_gguf
@@ -40,6 +41,7 @@ _TOKENIZER_EXTRAS = ("special_tokens_map.json", "added_tokens.json", "chat_templ
 """Files besides tokenizer.* that a saved tokenizer reads."""
 
 
+@timings.phase("tokenizer")
 def saved_tokenizer(path: Path) -> "PreTrainedTokenizerBase":
     """The tokenizer saved in `path`; one already built from byte-identical files is reused (a
     draft shares its target's tokenizer: building it parses an 11 MB tokenizer.json, ~1 s).
@@ -95,6 +97,7 @@ GGUF_TOKENIZER_SETTINGS = "tokenizer-settings.json"
 """The two files a GGUF's tokenizer is kept in (see the module docstring)."""
 
 
+@timings.phase("tokenizer")
 def gguf_tokenizer(source: GGUFSource, folder: Path) -> "PreTrainedTokenizerBase":
     """The tokenizer and chat template of a GGUF's metadata: read from the copy saved in `folder`,
     else built from the file and saved there (see the module docstring)."""
