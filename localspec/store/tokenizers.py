@@ -161,7 +161,7 @@ def _saved_gguf_tokenizer(folder: Path, stamps: list) -> "PreTrainedTokenizerBas
             raise _OtherVersion()
         digest, settings = saved["sha256"], dict(saved["settings"])
     except (KeyError, TypeError) as exc:
-        raise ValueError(f"{GGUF_TOKENIZER_SETTINGS} lacks {exc}") from None
+        raise ValueError(f"{GGUF_TOKENIZER_SETTINGS} is not in the shape localspec writes ({exc!r})") from None
     backend = folder / GGUF_TOKENIZER
     if hashlib.sha256(backend.read_bytes()).hexdigest() != digest:
         raise ValueError(f"{GGUF_TOKENIZER} is not the file its settings were saved with")
