@@ -40,6 +40,19 @@ def test_non_utf8_stdin_is_a_clear_error():
     assert b"not valid UTF-8" in proc.stderr and b"Traceback" not in proc.stderr
 
 
+def test_the_parser_help_and_models_answer_without_torch():
+    """A resident engine's client answers from the CLI within half a second: nothing it runs before
+    a model loads may import torch (seconds), nor transformers or numpy."""
+    check = ("import contextlib, io, sys\n"
+             "from localspec.apps.cli import main\n"
+             "with contextlib.redirect_stdout(io.StringIO()): main(['models'])\n"
+             "with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()): main(['run', '--help'])\n"
+             "print(sorted({'torch', 'transformers', 'numpy'} & set(sys.modules)))")
+    proc = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"
+
+
 def test_models_lists_the_registry(capsys):
     assert main(["models"]) == 0
     out = capsys.readouterr().out

@@ -186,15 +186,15 @@ def test_any_chat_history_file_is_listed_or_skipped(tmp_path_factory, data):
 @given(data=file_contents("pairing"))
 def test_any_pairing_history_is_read_and_added_to(home, data, monkeypatch):
     from localspec.core.stats import GenerationStats
-    from localspec.store import measurements
+    from localspec.store import history
 
-    monkeypatch.setattr(measurements, "machine_id", lambda: "m")
+    monkeypatch.setattr(history, "machine_id", lambda: "m")
     home.mkdir(parents=True, exist_ok=True)
     (home / "history.json").write_bytes(data)
-    measurements.load_history("m")
+    history.load_history("m")
     stats = GenerationStats(new_tokens=11, decode_seconds=1.0, plain_token_seconds=0.05, drafted=5, accepted=5)
-    measurements.record_generation("m", "ngram", stats)
-    assert measurements.load_history("m")["ngram"].tokens >= 11
+    history.record_generation("m", "ngram", stats)
+    assert history.load_history("m")["ngram"].tokens >= 11
 
 
 # -- a damaged EAGLE head -----------------------------------------------------------------------
@@ -384,7 +384,8 @@ def test_a_second_process_fetching_the_same_model_waits_for_the_first_then_finds
 
 RECORD = textwrap.dedent("""
     from localspec.core.stats import GenerationStats
-    from localspec.store.measurements import record_generation, save_calibration
+    from localspec.store.history import record_generation
+    from localspec.store.measurements import save_calibration
 
     import sys
     stats = GenerationStats(new_tokens=11, decode_seconds=1.0, plain_token_seconds=0.05, drafted=5, accepted=5)

@@ -247,12 +247,75 @@ def test_a_damaged_header_or_tokenizer_copy_is_made_again_from_the_file(tmp_path
     shutil.copytree(source / cache, home / cache)
     monkeypatch.setenv("LOCALSPEC_HOME", str(home))
     (home / cache / "header.json").write_text("{not json")
-    (home / cache / "tokenizer" / "tokenizer.json").write_bytes(b"garbage")
+    (home / cache / tokenizers.GGUF_TOKENIZER).write_bytes(b"garbage")
+    monkeypatch.setattr(tokenizers, "_tokenizers", {})
 
     # The GGUF is already there, so no network: any pip run would fail.
     reloaded = load_model(entry, torch.float32, progress=False, pip_args=["--no-index"])
     assert torch.equal(_logits(reloaded, "Hello"), reference)
     assert json.loads((home / cache / "header.json").read_text())["tensors"]
+    assert json.loads((home / cache / tokenizers.GGUF_TOKENIZER).read_text())["model"]
+
+
+@pytest.mark.real_model
+def test_the_saved_gguf_tokenizer_acts_as_the_built_one_and_is_never_built_again(tmp_path, monkeypatch):
+    from localspec.store.gguf_model import GGUFSource
+
+    source = GGUFSource(tokenizers.gguf_file(load_registry().get("smollm2-135m"), progress=False), tmp_path / "header.json")
+    monkeypatch.setattr(tokenizers, "_tokenizers", {})
+    built = tokenizers.gguf_tokenizer(source, tmp_path)
+    monkeypatch.setattr(tokenizers, "_tokenizers", {})  # a later run
+    monkeypatch.setattr(tokenizers, "_built_gguf_tokenizer", lambda source: pytest.fail("built again"))
+    saved = tokenizers.gguf_tokenizer(source, tmp_path)
+    assert saved is not built and tokenizers.gguf_tokenizer(source, tmp_path) is saved  # read once per run
+
+    texts = ["def reverse(s):\n    return s[::-1]  # héllo 🙂", "  two spaces\n\n\ttab", "<|im_start|>user\nhi<|im_end|>", " x"]
+    for text in texts:
+        ids = built.encode(text)
+        assert saved.encode(text) == ids and saved(text)["input_ids"] == built(text)["input_ids"], text
+        for skip in (False, True):
+            assert saved.decode(ids, skip_special_tokens=skip) == built.decode(ids, skip_special_tokens=skip), text
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": texts[0]}]
+    for tokenize in (False, True):
+        assert (saved.apply_chat_template(chat, tokenize=tokenize, add_generation_prompt=True)
+                == built.apply_chat_template(chat, tokenize=tokenize, add_generation_prompt=True))
+    assert saved.get_vocab() == built.get_vocab() and saved.added_tokens_decoder == built.added_tokens_decoder
+    assert (saved.eos_token_id, saved.bos_token_id, saved.pad_token_id, saved.all_special_ids) == (
+        built.eos_token_id, built.bos_token_id, built.pad_token_id, built.all_special_ids)
+
+
+class _Source:
+    """What gguf_tokenizer reads of a GGUFSource: the file's stamps (and its path, for a build)."""
+
+    def __init__(self, stamps):
+        self.stamps, self.paths = stamps, [Path("model.gguf")]
+
+
+def test_a_gguf_tokenizer_is_built_once_per_file_version_and_a_damaged_copy_again_with_one_notice(tmp_path, monkeypatch, capsys):
+    from conftest import tiny_tokenizer
+
+    builds = []
+    monkeypatch.setattr(tokenizers, "_built_gguf_tokenizer", lambda source: builds.append(source.stamps) or tiny_tokenizer())
+
+    def load(stamps):
+        monkeypatch.setattr(tokenizers, "_tokenizers", {})  # each load as a new run's
+        return tokenizers.gguf_tokenizer(_Source(stamps), tmp_path)
+
+    first = load([[10, 1]])
+    assert load([[10, 1]]).encode("hello") == first.encode("hello") and builds == [[[10, 1]]]
+    load([[10, 2]])  # the file changed: its tokenizer is made again, quietly
+    assert builds[-1] == [[10, 2]] and capsys.readouterr().err == ""
+    for damage in ("tokenizer garbage", "tokenizer empty", "settings of another shape"):
+        if damage == "settings of another shape":
+            (tmp_path / tokenizers.GGUF_TOKENIZER_SETTINGS).write_text("[]")
+        else:
+            (tmp_path / tokenizers.GGUF_TOKENIZER).write_bytes(b"garbage" if damage == "tokenizer garbage" else b"")
+        before = len(builds)
+        assert load([[10, 2]]).encode("hello") == first.encode("hello") and len(builds) == before + 1, damage
+        notices = capsys.readouterr().err.strip().splitlines()
+        assert len(notices) == 1 and "damaged" in notices[0], (damage, notices)
+        load([[10, 2]])
+        assert len(builds) == before + 1 and capsys.readouterr().err == "", damage  # the copy made again is read
 
 
 def test_a_tokenizer_is_reused_only_for_identical_files_that_say_everything(tmp_path, monkeypatch):

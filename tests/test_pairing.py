@@ -15,7 +15,7 @@ from localspec.base.config import eagle_head_dir
 from localspec.base.errors import LocalspecError
 from localspec.core.proposers.eagle_head import save_head
 from localspec.core.stats import GenerationStats
-from localspec.store import machine, measurements, paths, proposer_catalog, tokenizers
+from localspec.store import history, machine, paths, proposer_catalog, tokenizers
 from localspec.store.loading import LoadedModel
 from localspec.store.proposer_catalog import rank_proposers
 from localspec.store.registry import load_registry
@@ -103,20 +103,20 @@ def stats(tokens: int, seconds: float, plain: float, drafted: int, accepted: int
 
 
 def test_history_accumulates_per_pair(home):
-    measurements.record_generation("m", "draft", stats(101, 10.0, 0.05, 80, 40), draft="d")  # 10 tok/s, 0.5x
-    measurements.record_generation("m", "draft", stats(101, 5.0, 0.05, 80, 60), draft="d")  # 20 tok/s, 1.0x
-    measurements.record_generation("m", "ngram", stats(1, 0.0, 0.05, 0, 0))  # nothing to learn from
-    seen = measurements.load_history("m")
+    history.record_generation("m", "draft", stats(101, 10.0, 0.05, 80, 40), draft="d")  # 10 tok/s, 0.5x
+    history.record_generation("m", "draft", stats(101, 5.0, 0.05, 80, 60), draft="d")  # 20 tok/s, 1.0x
+    history.record_generation("m", "ngram", stats(1, 0.0, 0.05, 0, 0))  # nothing to learn from
+    seen = history.load_history("m")
     assert set(seen) == {"draft:d"}
     assert seen["draft:d"].tokens == 202
     assert seen["draft:d"].speedup == pytest.approx(0.75) and seen["draft:d"].acceptance == pytest.approx(100 / 160)
-    assert measurements.load_history("other") == {}
+    assert history.load_history("other") == {}
 
 
 def test_a_damaged_history_is_replaced_not_fatal(home):
     (home / "history.json").write_text("{not json")
-    assert measurements.load_history("m") == {}
-    measurements.record_generation("m", "ngram", stats(11, 1.0, 0.05, 5, 5))
+    assert history.load_history("m") == {}
+    history.record_generation("m", "ngram", stats(11, 1.0, 0.05, 5, 5))
     assert json.loads((home / "history.json").read_text())
 
 
@@ -187,7 +187,7 @@ def test_the_wizard_measures_every_candidate_and_saves_the_winner(home, monkeypa
 
     def recording(model, proposer, stats, draft=None):
         # the first token of an answer comes from the prompt pass: decode speed counts the rest
-        decoded.setdefault(measurements.pair_key(proposer, draft), []).append((stats.new_tokens - 1, stats.decode_seconds))
+        decoded.setdefault(history.pair_key(proposer, draft), []).append((stats.new_tokens - 1, stats.decode_seconds))
         record(model, proposer, stats, draft)
 
     monkeypatch.setattr(pairing, "record_generation", recording)
@@ -201,11 +201,11 @@ def test_the_wizard_measures_every_candidate_and_saves_the_winner(home, monkeypa
     speeds = {key: sum(t for t, _ in runs) / sum(s for _, s in runs) for key, runs in decoded.items()}
     winner = max(speeds, key=speeds.get)
     saved = load_registry().get("qwen2.5-coder-1.5b").paired
-    assert measurements.pair_key(saved.proposer, saved.draft) == winner
+    assert history.pair_key(saved.proposer, saved.draft) == winner
     assert saved.tokens_per_second == pytest.approx(speeds[winner], abs=1e-3)
     assert saved.speedup == pytest.approx(speeds[winner] / speeds["none"], abs=1e-3)
     assert (best.proposer, best.draft, best.draft_len) == (saved.proposer, saved.draft, saved.draft_len)
-    assert set(measurements.load_history("qwen2.5-coder-1.5b")) <= {"none", "ngram", "draft:qwen2.5-coder-0.5b"}
+    assert set(history.load_history("qwen2.5-coder-1.5b")) <= {"none", "ngram", "draft:qwen2.5-coder-0.5b"}
 
 
 def test_the_wizard_measures_every_proposer_in_the_catalog_with_a_head_trained_here(home, monkeypatch):

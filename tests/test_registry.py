@@ -12,7 +12,7 @@ def _no_local_heads(tmp_path, monkeypatch):
 
 from conftest import assert_at_a_glance
 from localspec.base.errors import LocalspecError
-from localspec.store.measurements import Measured
+from localspec.store.history import Measured
 from localspec.store.proposer_catalog import rank_proposers
 from localspec.store.registry import load_registry
 

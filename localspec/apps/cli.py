@@ -11,13 +11,15 @@ import argparse
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
+from localspec.base import timings
 from localspec.base.config import DRAFT_QUANTS, DTYPES, QUANTS, GenerationLimits, SamplingConfig, SpecConfig, eagle_head_dir
 from localspec.base.errors import LocalspecError
 from localspec.core.prompt import check_text
 from localspec.store import proposer_catalog
-from localspec.store.measurements import pair_key
+from localspec.store.history import pair_key
 from localspec.store.registry import load_registry
 
 PROPOSER_HELP = "; ".join(f"{kind.name}: {kind.about}" for kind in proposer_catalog.KINDS.values())
@@ -84,6 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--quiet", action="store_true", help="no progress or notices on stderr")
     run.add_argument("--verbose", action="store_true",
                      help="after the first line's few words, why these weights and this proposer in full")
+    run.add_argument("--timings", action="store_true",
+                     help="after the answer, where the wall clock went: imports, registry, tokenizer, loads, "
+                     "calibration, prefill, decode (also in --json)")
     _add_engine_options(run)
 
     bench = sub.add_parser("bench", help="compare proposers and transformers' generate on a prompt set")
@@ -192,6 +197,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     prompt = _read_prompt(args.prompt)
     check_text(prompt)  # before any model loads
     say = (lambda line: None) if args.quiet or args.json else (lambda line: print(f"localspec: {line}", file=sys.stderr))
+    timings.record("imports", timings.since_process_start())
 
     if (engine := _resident_engine(args, spec, say)) is not None:
         from localspec.apps import resident
@@ -205,8 +211,9 @@ def cmd_run(args: argparse.Namespace) -> int:
             say(f"{lost}; answering in-process")
             resident.find_engine(say)  # a killed engine's file goes now
 
-    from localspec.store.measurements import record_generation
-    from localspec.store.session import open_session
+    with timings.phase("imports"):
+        from localspec.store.history import record_generation
+        from localspec.store.session import open_session
 
     session = open_session(args.model, args.proposer, args.dtype, spec, quiet=args.quiet or args.json)
     details = session.details()
@@ -249,6 +256,7 @@ def _answer(args: argparse.Namespace, events, details, record=lambda stats: None
 
     text = []
     stats = GenerationStats()  # what an answer stopped before its first pass reports
+    generation_started = time.perf_counter()
     try:
         for event in events:
             stats = event.fold(stats)
@@ -260,6 +268,8 @@ def _answer(args: argparse.Namespace, events, details, record=lambda stats: None
         stats.stop_reason = "interrupted"
     finally:
         events.close()
+    timings.record("prefill", stats.ttft_seconds)
+    timings.record("decode", time.perf_counter() - generation_started - stats.ttft_seconds)
     about = details() or {}
     if not stats.passes and about:  # stopped before its first pass: still this proposer's answer
         stats.proposer, stats.reason = about["proposer"], about["reason"]
@@ -277,6 +287,7 @@ def _answer(args: argparse.Namespace, events, details, record=lambda stats: None
                 "max_new_tokens": args.max_new_tokens, "system": args.system, "stop": args.stop,
             },
             "stats": stats.to_dict(),
+            **({"timings": timings.breakdown()} if args.timings else {}),
         }, indent=1))
     else:
         sys.stdout.write("\n")
@@ -284,6 +295,8 @@ def _answer(args: argparse.Namespace, events, details, record=lambda stats: None
             for notice in stats.notices:
                 print(f"localspec: {notice}", file=sys.stderr)
             print(stats.summary(), file=sys.stderr)
+        if args.timings:
+            print(f"localspec: {timings.summary(timings.breakdown())}", file=sys.stderr)
     return 0
 
 

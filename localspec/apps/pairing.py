@@ -20,8 +20,7 @@ from localspec.base.reasons import Reason
 from localspec.core.policy import best_draft_len
 from localspec.store import hub, loading, paths, proposer_catalog, tokenizers
 from localspec.store.machine import check_eagle_head, check_tokenizers, free_memory
-from localspec.store.measurements import record_generation
-from localspec.store.measurements import pair_key
+from localspec.store.history import pair_key, record_generation
 from localspec.store.registry import ModelEntry, Registry, fitting_targets, load_registry, save_user_model, user_registry_path
 from localspec.store.session import Session, load_models
 

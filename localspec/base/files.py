@@ -7,7 +7,8 @@
 - write_text_atomic: readers see the old text or the new, never half of it; each call has its own
   temporary name, so two processes never write the same temporary file.
 - locked: an exclusive lock around a read-modify-write of a file two processes may share
-  (calibration, pairing history, the user registry).
+  (calibration, pairing history, the user registry); update_json_object is that round for a
+  JSON object, read_json_object its reader ({} for a missing or damaged file).
 - work_dir: a folder of this process's own for a long write (a download, a conversion); what a
   killed process left of its own is removed by the next one.
 - hold / remove_unless_held: a reader holds a finished cache (a shared lock on its marker file)
@@ -20,6 +21,7 @@ nothing here needs a POSIX-only module.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import shutil
@@ -121,6 +123,25 @@ def locked(path: Path) -> Iterator[None]:
             yield
         finally:
             _unlock(handle)
+
+
+def read_json_object(path: Path) -> dict:
+    """The JSON object in `path`; {} when the file is missing, damaged or holds another shape."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def update_json_object(path: Path, change: Callable[[dict], None]) -> None:
+    """Apply `change` to the file's object under its lock, so another process's save made meanwhile
+    is kept, and write it back atomically, so a crash never leaves half a file. A damaged file is
+    replaced, not added to."""
+    with locked(path):
+        data = read_json_object(path)
+        change(data)
+        write_text_atomic(path, json.dumps(data, indent=1))
 
 
 def hold(marker: Path) -> BinaryIO | None:

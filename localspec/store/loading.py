@@ -129,7 +129,7 @@ def load_gguf(entry: ModelEntry, path: Path, quant: str, dtype: torch.dtype, pro
     if cold:
         say(progress, f"laying out {entry.name}'s weights for the w4a8 kernel (once)")
     model = build_model(source, quant, dtype, blocks)
-    tokenizer = gguf_tokenizer(source, folder / "tokenizer")
+    tokenizer = gguf_tokenizer(source, folder)
     holds = [h for h in (held, hold(blocks) if blocks is not None else None) if h is not None]
     return Weights(model, tokenizer, (folder,) + ((blocks,) if blocks is not None else ()), holds, cold)
 

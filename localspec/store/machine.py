@@ -20,7 +20,7 @@ import psutil
 import torch
 
 from localspec.store import loading, paths
-from localspec.store.measurements import load_history
+from localspec.store.history import load_history
 from localspec.store.progress import print_notice
 from localspec.store.registry import EagleHead, ModelEntry, Registry
 

@@ -1,37 +1,31 @@
-"""What localspec measures once per machine, and where it keeps it: keys and files in one place.
+"""What localspec measures once per machine, and where it keeps it: keys and the file in one place.
 
-Two files under home_dir(), each changed only through `_update` (one lock, one atomic write):
-- calibration.json: measurements reused instead of repeated, keyed by everything that decides
-  them: a model's pass cost per width and context (`pass_cost_key`; a draft's step is its width-1
-  pass), the compute dtype measured for a pair (`dtype_key`), the draft's fastest weight format
-  (`draft_format_key`). A pass-cost key names what runs the pass (the lean forward, the compiled
-  CPU kernels' sources), so pass costs measured by an earlier release are measured again; the
-  other keys are the ones earlier releases wrote, and their entries are read as they are.
-- history.json: speed and acceptance of every finished generation, per machine, target and
-  proposer (`record_generation`); `--proposer auto` reads it (`load_history`).
+calibration.json under home_dir(), changed only through `update_json_object` (one lock, one atomic
+write): measurements reused instead of repeated, keyed by everything that decides them: a model's
+pass cost per width and context (`pass_cost_key`; a draft's step is its width-1 pass), the compute
+dtype measured for a pair (`dtype_key`), the draft's fastest weight format (`draft_format_key`). A
+pass-cost key names what runs the pass (the lean forward, the compiled CPU kernels' sources), so
+pass costs measured by an earlier release are measured again; the other keys are the ones earlier
+releases wrote, and their entries are read as they are. What generations measured is history.py's.
 
 A file that is missing or damaged reads as empty: measuring again is the cure, and the next save
-replaces it. A file that cannot be written only costs a measurement repeated (or a less informed
-choice) next time, never the run.
+replaces it. A file that cannot be written only costs a measurement repeated next time, never the run.
 """
 
 from __future__ import annotations
 
-import json
-import platform
+import contextlib
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from localspec.base import timings
 from localspec.base.config import home_dir
-from localspec.base.files import locked, write_text_atomic
-from localspec.core.stats import GenerationStats
+from localspec.base.files import read_json_object, update_json_object
 from localspec.kernels.cpu_build import sources_digest
 from localspec.runtime import costs
 from localspec.runtime.target_pass import TargetPass
-from localspec.store.loading import pick_device
 from localspec.store.progress import print_notice
 
 
@@ -39,36 +33,9 @@ def _calibration_file() -> Path:
     return home_dir() / "calibration.json"
 
 
-def _history_file() -> Path:
-    return home_dir() / "history.json"
-
-
-def _read(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
-def _update(path: Path, change: Callable[[dict], None]) -> None:
-    """Apply `change` to the file's data under its lock, so another process's save made meanwhile
-    is kept, and write it back atomically, so a crash never leaves half a file."""
-    try:
-        with locked(path):
-            data = _read(path)  # a damaged file is replaced, not added to
-            change(data)
-            write_text_atomic(path, json.dumps(data, indent=1))
-    except OSError:
-        pass  # see the module docstring: a save that fails is never the run's failure
-
-
-# --- measured once, reused ---------------------------------------------------------------------
-
-
 def load_calibrations() -> dict:
     """Everything measured here, by key ({} when there is no file or it is damaged)."""
-    return _read(_calibration_file())
+    return read_json_object(_calibration_file())
 
 
 def load_calibration(key: str) -> dict:
@@ -81,7 +48,8 @@ def save_calibration(key: str, value: dict) -> None:
     def put(data: dict) -> None:
         data[key] = value
 
-    _update(_calibration_file(), put)
+    with contextlib.suppress(OSError):  # see the module docstring
+        update_json_object(_calibration_file(), put)
 
 
 def _runtime() -> str:
@@ -117,6 +85,7 @@ def draft_format_key(draft: str, dtype: torch.dtype, candidates: tuple[str, ...]
 _BUSY_SAID: set[str] = set()
 
 
+@timings.phase("calibration")
 def measured_curves(name: str, model: torch.nn.Module, widths: tuple[int, ...] = costs.WIDTHS,
                     contexts: tuple[int, ...] = costs.CONTEXTS, say: Callable[[str], None] = print_notice,
                     ) -> dict[int, dict[int, float]]:
@@ -150,77 +119,3 @@ def measured_costs(name: str, model: torch.nn.Module, widths: tuple[int, ...] = 
                    say: Callable[[str], None] = print_notice) -> dict[int, float]:
     """Calibrated pass costs after the shortest calibration context (a draft step, a dtype choice)."""
     return measured_curves(name, model, widths, costs.CONTEXTS[:1], say)[costs.CONTEXTS[0]]
-
-
-# --- what generations measured here ------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Measured:
-    """What generations with one proposer (and draft) measured for a target on this machine."""
-
-    tokens: int
-    speedup: float
-    """Decode speed over plain decoding's, from the calibrated one-token pass cost."""
-    acceptance: float
-
-
-def pair_key(proposer: str, draft: str | None = None) -> str:
-    """History key of a proposer for a target: "none", "ngram", "eagle" or "draft:<name>"."""
-    return f"{proposer}:{draft}" if draft else proposer
-
-
-def machine_id() -> str:
-    return f"{platform.node() or 'this-machine'}/{pick_device().type}"
-
-
-def load_history(model: str) -> dict[str, Measured]:
-    """What was measured for `model` on this machine, by pair_key."""
-    machine = _read(_history_file()).get(machine_id())
-    records = machine.get(model) if isinstance(machine, dict) else None
-    return {
-        key: Measured(
-            tokens=r["tokens"], speedup=r["speedup_tokens"] / r["tokens"],
-            acceptance=r["accepted"] / r["drafted"] if r["drafted"] else 0.0,
-        )
-        for key, r in (records.items() if isinstance(records, dict) else ())
-        if _counts(r) and r["tokens"]  # a record hand-edited into another shape is passed over
-    }
-
-
-def record_generation(model: str, proposer: str, stats: GenerationStats, draft: str | None = None) -> None:
-    """Add one finished generation to the history (call it after each one)."""
-    speedup = stats.measured_speedup
-    if stats.new_tokens < 2 or speedup <= 0:  # no decode time, or no calibrated plain cost to compare with
-        return
-
-    def add(data: dict) -> None:
-        record = _history_record(data, model, pair_key(proposer, draft))
-        record["generations"] += 1
-        record["tokens"] += stats.new_tokens
-        record["speedup_tokens"] += speedup * stats.new_tokens
-        record["drafted"] += stats.drafted
-        record["accepted"] += stats.accepted
-
-    _update(_history_file(), add)
-
-
-_COUNTS = {"generations": 0, "tokens": 0, "speedup_tokens": 0.0, "drafted": 0, "accepted": 0}
-
-
-def _history_record(data: dict, model: str, key: str) -> dict:
-    """The counters of one pair in `data`, made anew where a hand edit left another shape."""
-    machine = data.get(machine_id())
-    machine = data[machine_id()] = machine if isinstance(machine, dict) else {}
-    records = machine.get(model)
-    records = machine[model] = records if isinstance(records, dict) else {}
-    record = records.get(key)
-    records[key] = record if _counts(record) else dict(_COUNTS)
-    return records[key]
-
-
-def _counts(record: object) -> bool:
-    """Whether a history record holds every counter, as a number."""
-    return isinstance(record, dict) and all(
-        isinstance(record.get(k), (int, float)) and not isinstance(record.get(k), bool) for k in _COUNTS
-    )

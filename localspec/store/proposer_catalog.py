@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 from localspec.base.config import SpecConfig, eagle_head_dir, has_eagle_head
 from localspec.base.errors import LocalspecError, first_line
 from localspec.base.reasons import Reason
-from localspec.store.measurements import Measured, pair_key
+from localspec.store.history import Measured, pair_key
 from localspec.store.registry import ModelEntry, Registry, load_registry
 
 if TYPE_CHECKING:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import psutil
 import torch
 
+from localspec.base import timings
 from localspec.base.config import SpecConfig
 from localspec.base.errors import LocalspecError, first_line, is_out_of_memory
 from localspec.base.reasons import Reason
@@ -184,8 +185,9 @@ def _choose_verify_path(target: LoadedModel, widths) -> dict[int, dict[int, floa
 def costs_for(target: LoadedModel, draft: LoadedModel | None, widths=WIDTHS) -> CostModel:
     """The costs of the passes generation runs (timed through the `TargetPass` the engine and the
     draft proposer run)."""
-    verify = fast_verify_path(target, widths)
-    step = measured_costs(draft.name, draft.model, (1,))[1] if draft is not None else 0.0
+    with timings.phase("calibration"):
+        verify = fast_verify_path(target, widths)
+        step = measured_costs(draft.name, draft.model, (1,))[1] if draft is not None else 0.0
     return cost_model(verify, step)
 
 
@@ -319,26 +321,29 @@ def load_models(
     why that dtype / format."""
     if dtype not in ("auto", *DTYPE_NAMES):
         raise LocalspecError(f"--dtype must be auto, float32, bfloat16 or float16, got {dtype!r}")
-    device = pick_device()
-    quant, quant_reason = choose_quant(entry, spec.quant, device, dtype)
-    if quant != "none":
-        torch_dtype = quantization.compute_dtype(quant)
-        how = {"w8a8": "int8 weights and activations, float32 between them",
-               "w4a8": "4-, 6- and 8-bit weights (as the file has them) and int8 activations, float32 between them"}.get(quant, f"{quant} weights, bfloat16 activations")
-        dtype_reason = Reason(f"{how} ({quant_reason})", f"{quant} · {quant_reason.short}")
-    elif dtype == "auto":
-        torch_dtype, dtype_reason = choose_dtype(entry, draft_entry, proposer, spec, device, quiet)
-    else:
-        torch_dtype, dtype_reason = DTYPE_NAMES[dtype], Reason(f"--dtype {dtype}", dtype)
-    target = load_model(entry, torch_dtype, quant=quant, device=device, progress=not quiet)
-    draft = load_draft(draft_entry, torch_dtype, device, spec, quiet) if draft_entry else None
+    with timings.phase("target_load"):  # the weight format's choice too: it builds the w4a8 kernel on first use
+        device = pick_device()
+        quant, quant_reason = choose_quant(entry, spec.quant, device, dtype)
+        if quant != "none":
+            torch_dtype = quantization.compute_dtype(quant)
+            how = {"w8a8": "int8 weights and activations, float32 between them",
+                   "w4a8": "4-, 6- and 8-bit weights (as the file has them) and int8 activations, float32 between them"}.get(quant, f"{quant} weights, bfloat16 activations")
+            dtype_reason = Reason(f"{how} ({quant_reason})", f"{quant} · {quant_reason.short}")
+        elif dtype == "auto":
+            torch_dtype, dtype_reason = choose_dtype(entry, draft_entry, proposer, spec, device, quiet)
+        else:
+            torch_dtype, dtype_reason = DTYPE_NAMES[dtype], Reason(f"--dtype {dtype}", dtype)
+        target = load_model(entry, torch_dtype, quant=quant, device=device, progress=not quiet)
+    with timings.phase("draft_load"):
+        draft = load_draft(draft_entry, torch_dtype, device, spec, quiet) if draft_entry else None
     # w8a8 packing ran behind the draft's load; generation waits for it, so that the speed guard
     # and the measured history see the steady state
     for loaded in (target, draft):
         if loaded is not None:
             wait_for_packing(loaded.model)
     if draft is not None:
-        check_pair(entry, target, draft_entry, draft)
+        with timings.phase("draft_load"):
+            check_pair(entry, target, draft_entry, draft)
     discard_unused(target, draft)  # the copies of other formats (measured ones included) go
     return target, draft, dtype_reason
 
@@ -407,12 +412,13 @@ def open_session(
     opened gives way to the next: a notice says why at once, and the reason of the one opened
     names it among those passed over. The weights in hand stay for a next candidate that runs on
     them (the target alone, or the same pair); the last candidate's failure is the user's to see."""
-    registry = registry or load_registry()
-    entry = registry.get(model)
-    spec = spec or SpecConfig(proposer=proposer)
-    if pick_device().type == "cpu":  # before any pass is timed: a calibration holds for its thread count
-        fit_threads(lambda line: notice(line, quiet))
-    ranked = rank_proposers(proposer, entry, registry, **situation(registry, entry.name))
+    with timings.phase("registry"):
+        registry = registry or load_registry()
+        entry = registry.get(model)
+        spec = spec or SpecConfig(proposer=proposer)
+        if pick_device().type == "cpu":  # before any pass is timed: a calibration holds for its thread count
+            fit_threads(lambda line: notice(line, quiet))
+        ranked = rank_proposers(proposer, entry, registry, **situation(registry, entry.name))
     held: Session | None = None
     refused: list[tuple[Candidate, Reason]] = []
 

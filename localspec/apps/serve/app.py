@@ -52,7 +52,7 @@ def session_loader(model: str, proposer: str, dtype: str, spec: SpecConfig) -> C
 
     def load() -> Served:
         # torch loads here, in the engine thread, once the port is open: /health answers meanwhile
-        from localspec.store.measurements import record_generation
+        from localspec.store.history import record_generation
         from localspec.store.session import open_session
 
         session = open_session(model, proposer, dtype, spec)
