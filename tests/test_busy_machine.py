@@ -58,3 +58,47 @@ def test_a_session_sizes_the_pool_before_it_times_or_loads_anything(threads, mon
     with pytest.raises(LocalspecError, match="stopped here"):
         session.open_session("smollm2-135m", "none", quiet=True)
     assert seen == [1]
+
+
+def test_the_load_of_other_processes_is_measured_beside_our_own_work():
+    load = machine.OthersLoad()
+    spin = time.monotonic() + 0.5
+    while time.monotonic() < spin:  # this process's own work is not another program's
+        pass
+    assert load.cores() < 0.5
+    loop = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.5)
+        load = machine.OthersLoad()
+        time.sleep(1.0)
+        assert load.cores() > 0.6
+    finally:
+        loop.kill()
+        loop.wait()
+
+
+def test_a_calibration_beside_a_busy_loop_is_not_kept_though_its_passes_agree(tmp_path, monkeypatch):
+    """A steady load slows every repeat alike, so the passes agree; the other process's load tells."""
+    from conftest import tiny_model
+    from localspec.runtime import costs
+    from localspec.store import measurements
+
+    monkeypatch.setenv("LOCALSPEC_HOME", str(tmp_path))
+    monkeypatch.setattr(measurements, "_BUSY_SAID", set())
+
+    def steady_passes(model, widths, context):
+        time.sleep(0.4)  # while the loop runs beside
+        return {w: [0.02 * w] * 4 for w in widths}
+
+    monkeypatch.setattr(costs, "time_passes", steady_passes)
+    said = []
+    loop = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.3)
+        assert measurements.measured_costs("tiny", tiny_model("llama"), (1, 2), say=said.append) == {1: 0.02, 2: 0.04}
+    finally:
+        loop.kill()
+        loop.wait()
+    assert not measurements.load_calibrations() and len(said) == 1 and "busy" in said[0]
+    assert measurements.measured_costs("tiny", tiny_model("llama"), (1, 2), say=said.append) == {1: 0.02, 2: 0.04}
+    assert measurements.load_calibrations(), "the same passes on a quiet machine are kept"

@@ -277,7 +277,7 @@ def test_run_daemon_starts_an_engine_the_next_run_finds_warm(capsys):
     os.symlink(REAL_HOME / "models" / "smollm2-135m", home_dir() / "models" / "smollm2-135m")
     if (REAL_HOME / "calibration.json").exists():  # what earlier tests measured need not be measured again
         shutil.copy(REAL_HOME / "calibration.json", home_dir())
-    argv = ["run", "List three colours.", "--model", "smollm2-135m", "--max-new-tokens", "12", "--json", "--quant", "none"]
+    argv = ["run", "List three colours.", "--model", "smollm2-135m", "--max-new-tokens", "12", "--json"]
     assert main([*argv, "--no-daemon"]) == 0
     in_process = json.loads(capsys.readouterr().out)
     try:

@@ -4,7 +4,7 @@ and the inputs of `--proposer auto`.
 - check_tokenizers: a draft's guesses must mean the same tokens to the target.
 - check_eagle_head: a published head is only valid on the target revision it was trained on.
 - free_memory: bytes free for weights and caches on the device generation runs on.
-- free_cores / fit_threads: the cores other programs leave free now, and the thread pool sized to them.
+- OthersLoad / free_cores / fit_threads: the cores other programs keep busy or leave free, and the thread pool sized to them.
 - takes_gguf: whether `pull` takes a model's 4-bit GGUF from the hub rather than its 16-bit files.
 - situation: what is downloaded, the free memory and the local history (measurements.py), i.e.
   the facts proposer_catalog.rank_proposers weighs for `--proposer auto`.
@@ -122,16 +122,37 @@ THREADS = torch.get_num_threads()
 the most fit_threads gives back on a quiet machine."""
 
 
+class OthersLoad:
+    """The cores other processes kept busy, on average, from this object's making to a `cores()`
+    call: the machine's busy time (user, system, interrupts; a hypervisor's steal is not another
+    program here) less this process's own."""
+
+    def __init__(self) -> None:
+        self.started, self.busy, self.own = time.monotonic(), _machine_busy(), _own_busy()
+
+    def cores(self) -> float:
+        wall = time.monotonic() - self.started
+        others = (_machine_busy() - self.busy) - (_own_busy() - self.own)
+        # the counters tick every 10 ms: over a shorter wall one tick would read as a whole busy core
+        return max(0.0, others) / max(wall, 0.1)
+
+
+def _machine_busy() -> float:
+    t = psutil.cpu_times()
+    return sum(getattr(t, field, 0.0) for field in ("user", "nice", "system", "irq", "softirq"))
+
+
+def _own_busy() -> float:
+    t = psutil.Process().cpu_times()
+    return t.user + t.system
+
+
 def free_cores(sample_seconds: float = 0.2) -> int:
-    """Of THREADS, the cores other processes leave free now: the machine's busy time over a short
-    sample, less this process's own, in whole cores (at least one)."""
-    me = psutil.Process()
-    me.cpu_percent(None)
-    psutil.cpu_percent(None)  # both count from here
+    """Of THREADS, the cores other processes leave free now (over a short sample), in whole cores
+    (at least one)."""
+    load = OthersLoad()
     time.sleep(sample_seconds)
-    logical = psutil.cpu_count() or 1
-    busy = psutil.cpu_percent(None) / 100 * logical  # logical cores' worth, machine-wide
-    others = max(0.0, busy - me.cpu_percent(None) / 100) * THREADS / max(usable_cores(), THREADS)
+    others = load.cores() * THREADS / max(usable_cores(), THREADS)
     return max(1, THREADS - round(others))
 
 

@@ -26,6 +26,7 @@ from localspec.base.files import read_json_object, update_json_object
 from localspec.kernels.cpu_build import sources_digest
 from localspec.runtime import costs
 from localspec.runtime.target_pass import TargetPass
+from localspec.store.machine import OthersLoad
 from localspec.store.progress import print_notice
 
 
@@ -91,20 +92,20 @@ def measured_curves(name: str, model: torch.nn.Module, widths: tuple[int, ...] =
                     ) -> dict[int, dict[int, float]]:
     """Calibrated pass costs of a model as it runs, per context length and width: measured with
     costs.time_passes the first time, then read from calibration.json. A measurement is kept only
-    when its repeated passes agree (costs.agree), the second try included: on a machine busy with
-    other work the costs hold for this run only (`say` tells why), so that a busy moment does not
-    decide every later run."""
+    when the machine was quiet while it ran (`quiet_passes`), the second try included: on a machine
+    busy with other work the costs hold for this run only (`say` tells why), so that a busy moment
+    does not decide every later run."""
     key = pass_cost_key(name, model)
     cached = load_calibration(key)
     curves = {}
     for context in contexts:
         known = cached.get(f"context={context}")
         if not (isinstance(known, dict) and all(isinstance(known.get(str(w)), (int, float)) for w in widths)):
-            samples = costs.time_passes(model, widths, context=context)
-            if not costs.agree(samples):
-                samples = costs.time_passes(model, widths, context=context)
+            samples, quiet = quiet_passes(model, widths, context)
+            if not quiet:
+                samples, quiet = quiet_passes(model, widths, context)
             known = {str(w): min(s) for w, s in samples.items()}
-            if costs.agree(samples):
+            if quiet:
                 cached[f"context={context}"] = known
                 save_calibration(key, cached)
             elif key not in _BUSY_SAID:  # once per model and run, not once per measurement
@@ -113,6 +114,19 @@ def measured_curves(name: str, model: torch.nn.Module, widths: tuple[int, ...] =
                     "only, and measured again next time")
         curves[context] = {w: known[str(w)] for w in widths}
     return curves
+
+
+QUIET_OTHERS = 0.25
+"""Cores other processes may keep busy, on average, while a calibration runs, for it to be kept."""
+
+
+def quiet_passes(model: torch.nn.Module, widths: tuple[int, ...], context: int) -> tuple[dict[int, list[float]], bool]:
+    """costs.time_passes, and whether the machine was quiet meanwhile: other processes kept less
+    than QUIET_OTHERS of a core busy (a steady load beside the passes slows every repeat alike, so
+    their spread alone would miss it) and the repeats agree (costs.agree: bursts)."""
+    load = OthersLoad()
+    samples = costs.time_passes(model, widths, context=context)
+    return samples, load.cores() < QUIET_OTHERS and costs.agree(samples)
 
 
 def measured_costs(name: str, model: torch.nn.Module, widths: tuple[int, ...] = costs.WIDTHS,
