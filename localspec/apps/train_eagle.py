@@ -348,9 +348,6 @@ def train_eagle(target_loaded, out_dir: Path, data: list[Path] | None, settings:
     params = [p for p in head.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=settings.lr, betas=(0.9, 0.95), weight_decay=0.0)
     warmup = max(1, min(100, total_steps // 10))
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, total_steps) / total_steps))
-    )
     step = 0
     state_file = out_dir / "train_state.pt"
     if state_file.exists():
@@ -361,8 +358,12 @@ def train_eagle(target_loaded, out_dir: Path, data: list[Path] | None, settings:
             step = int(state["step"])
         except (RuntimeError, ValueError, KeyError, TypeError) as exc:
             raise LocalspecError(f"{state_file} does not fit this head ({exc}); delete it to train from the start") from exc
-        schedule.last_epoch = step - 1  # the schedule spans the epochs asked for now
-        schedule.step()
+    # made after a resume, at its step: the schedule spans the epochs asked for now (the optimizer's
+    # saved groups carry the initial learning rate it starts from)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, total_steps) / total_steps)),
+        last_epoch=step - 1,
+    )
     device = next(target.parameters()).device
     head.to(device)
     target_head = target_head.to(device)
