@@ -212,15 +212,13 @@ def cmd_run(args: argparse.Namespace) -> int:
             resident.find_engine(say)  # a killed engine's file goes now
 
     with timings.phase("imports"):
-        from localspec.store.history import record_generation
         from localspec.store.session import open_session
 
     session = open_session(args.model, args.proposer, args.dtype, spec, quiet=args.quiet or args.json)
     details = session.details()
     _first_lines(args, details)
-    draft = session.draft.name if session.draft else None
     return _answer(args, session.engine.generate(prompt, sampling, limits, system=args.system), lambda: details,
-                   record=lambda stats: record_generation(session.entry.name, session.proposer, stats, draft))
+                   record=session.record)
 
 
 def _resident_engine(args: argparse.Namespace, spec: SpecConfig, say):
@@ -394,10 +392,9 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from localspec.apps.resident import parse_duration
     from localspec.apps.serve.app import serve, session_loader
     from localspec.apps.serve.config import ServeConfig
-
-    from localspec.apps.resident import parse_duration
 
     config = ServeConfig(host=args.host, port=args.port, api_key=args.api_key or os.environ.get("LOCALSPEC_API_KEY") or None,
                          insecure=args.insecure, cors=tuple(args.cors), queue=args.queue,

@@ -6,7 +6,7 @@ and the inputs of `--proposer auto`.
 - free_memory: bytes free for weights and caches on the device generation runs on.
 - OthersLoad / free_cores / fit_threads: the cores other programs keep busy or leave free, and the thread pool sized to them.
 - takes_gguf: whether `pull` takes a model's 4-bit GGUF from the hub rather than its 16-bit files.
-- situation: what is downloaded, the free memory and the local history (measurements.py), i.e.
+- situation: what is downloaded, the free memory and the local history (history.py), i.e.
   the facts proposer_catalog.rank_proposers weighs for `--proposer auto`.
 """
 

@@ -24,12 +24,14 @@ from localspec.base.errors import LocalspecError, first_line, is_out_of_memory
 from localspec.base.reasons import Reason
 from localspec.core import policy
 from localspec.core.engine import Engine
+from localspec.core.stats import GenerationStats
 from localspec.runtime import quant as quantization
 from localspec.runtime.costs import CostModel, WIDTHS, cost_model
 from localspec.store import proposer_catalog
 from localspec.store.cleanup import discard_unused
 from localspec.store.loading import LoadedModel, load_model, pick_device, release_memory
 from localspec.store.machine import check_tokenizers, fit_threads, situation
+from localspec.store.history import record_generation
 from localspec.store.paths import fetched_gguf, hub_snapshot
 from localspec.store.measurements import (
     draft_format_key, dtype_key, load_calibration, measured_costs, measured_curves, save_calibration,
@@ -91,6 +93,10 @@ class Session:
         """What a person reads first (the CLI's first line, the server's ready line): the weights
         and the proposer, each in a few words."""
         return f"{self.weights_choice.short}; {self.proposer_choice.short}"
+
+    def record(self, stats: GenerationStats) -> None:
+        """Keep a finished answer's figures in this machine's history, under the running pair."""
+        record_generation(self.entry.name, self.proposer, stats, self.draft.name if self.draft else None)
 
     def details(self) -> dict:
         """What a report says about the running pair, as JSON-ready data (the CLI's `--json`, and

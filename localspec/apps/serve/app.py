@@ -14,15 +14,14 @@ import uvicorn
 from starlette.applications import Starlette
 from starlette.routing import Route
 
+from localspec.apps.resident import remove_record
 from localspec.apps.serve.api import Api
 from localspec.apps.serve.config import ServeConfig, middleware
-from localspec.apps.resident import remove_record
 from localspec.apps.serve.requests import ERROR_HANDLERS
 from localspec.apps.serve.resident import ResidentRoutes, claim
 from localspec.apps.serve.turns import Served, Service
 from localspec.base.config import SpecConfig
 from localspec.base.errors import LocalspecError
-from localspec.store.registry import load_registry
 
 
 def create_app(load: Callable[[], Served], config: ServeConfig = ServeConfig(), log: Callable[[str], None] | None = None,
@@ -52,13 +51,10 @@ def session_loader(model: str, proposer: str, dtype: str, spec: SpecConfig) -> C
 
     def load() -> Served:
         # torch loads here, in the engine thread, once the port is open: /health answers meanwhile
-        from localspec.store.history import record_generation
         from localspec.store.session import open_session
 
         session = open_session(model, proposer, dtype, spec)
-        draft = session.draft.name if session.draft else None
-        return Served(model, session.engine, session.summary, session.details(),
-                      lambda stats: record_generation(model, session.proposer, stats, draft))
+        return Served(model, session.engine, session.summary, session.details(), session.record)
 
     return load
 

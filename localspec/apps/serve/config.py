@@ -55,17 +55,22 @@ def is_local(host: str) -> bool:
         return False
 
 
+def has_key(authorization: str, key: str) -> bool:
+    """Whether an Authorization header is `Bearer <key>` (compared in constant time)."""
+    scheme, _, token = authorization.partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
+
+
 class RequireKey:
     """Bearer-key check for every path but /health (plain ASGI, so streaming is untouched)."""
 
     def __init__(self, app, key: str) -> None:
-        self.app, self.key = app, key.encode()
+        self.app, self.key = app, key
 
     async def __call__(self, scope, receive, send) -> None:
         # /localspec/ is the resident engine's own, behind its own key (apps/serve/resident.py)
         if scope["type"] == "http" and scope["path"] != "/health" and not scope["path"].startswith("/localspec/"):
-            scheme, _, token = Headers(scope=scope).get("authorization", "").partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.key):
+            if not has_key(Headers(scope=scope).get("authorization", ""), self.key):
                 response = error_response(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
                                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
                 await response(scope, receive, send)

@@ -13,7 +13,6 @@ Both need the engine file's key, whatever the OpenAI routes allow: the file is t
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import os
 import secrets
@@ -26,6 +25,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from localspec.apps.resident import EngineRecord, engine_file, find_engine, read_record, write_record
+from localspec.apps.serve.config import has_key
 from localspec.apps.serve.requests import ApiError, read_json
 from localspec.apps.serve.turns import Service, Turn
 from localspec.base.config import GenerationLimits, SamplingConfig, SpecConfig
@@ -71,8 +71,7 @@ class ResidentRoutes:
     def _check(self, request: Request) -> None:
         if self.key is None:
             raise ApiError(403, "this server is not this home's resident engine")
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.key.encode()):
+        if not has_key(request.headers.get("authorization", ""), self.key):
             raise ApiError(401, "missing or wrong engine key (it is in the engine file of the user who started it)")
 
     async def engine(self, request: Request) -> Response:

@@ -41,7 +41,7 @@ class Served:
     details: dict = field(default_factory=dict)
     """What the resident engine tells its clients about the pair (`Session.details()`)."""
     record: Callable[[GenerationStats], None] = lambda stats: None
-    """Keeps an answer's figures in this machine's history, as an in-process run does."""
+    """Keeps an answer's figures in this machine's history, as an in-process run does (`Session.record`)."""
 
 
 class ClientGone(Exception):
@@ -117,8 +117,7 @@ class Turn:
             finish = outcome or FINISH_REASONS.get(stats.stop_reason, "stop")
             self.service.metrics.record(stats, finish)
             self.service.log_generation(stats, finish)
-            if stats.passes:
-                self.service.record(stats)
+            self.service.served.record(stats)
             self.result = stats, finish
         if not loop.is_closed():
             loop.call_soon_threadsafe(self.queue.put_nowait, last)
@@ -220,12 +219,6 @@ class Service:
         finally:
             if self.reloading is not None and self.reloading.done():
                 self.reloading = None
-
-    def record(self, stats: GenerationStats) -> None:
-        try:
-            self.served.record(stats)
-        except OSError as exc:  # a full disk must not cost the client its answer
-            self.log(f"history not saved: {exc}")
 
     def log_generation(self, stats: GenerationStats, finish: str) -> None:
         self.log(f"{finish}: {stats.prompt_tokens} prompt tokens ({stats.cached_tokens} cached), "
