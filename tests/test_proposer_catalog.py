@@ -35,19 +35,20 @@ def train_head_here(model: str) -> None:
 
 
 def test_the_catalog_names_what_each_proposer_needs():
-    assert list(KINDS) == ["eagle", "draft", "ngram", "none"]  # the order auto prefers
+    assert list(KINDS) == ["eagle", "draft", "suffix", "ngram", "none"]  # the order auto prefers
     assert proposer_catalog.CHOICES == ("auto", *KINDS)
     assert KINDS["eagle"].head and KINDS["eagle"].trees and not KINDS["eagle"].draft_model
     assert KINDS["draft"].draft_model and not KINDS["draft"].head
+    assert KINDS["suffix"].trees and not (KINDS["suffix"].head or KINDS["suffix"].draft_model)
     assert not any(KINDS[n].head or KINDS[n].draft_model or KINDS[n].trees for n in ("ngram", "none"))
-    with pytest.raises(LocalspecError, match="--proposer must be one of auto, eagle, draft, ngram, none, got 'medusa'"):
+    with pytest.raises(LocalspecError, match="--proposer must be one of auto, eagle, draft, suffix, ngram, none, got 'medusa'"):
         proposer_catalog.kind("medusa")
 
 
 def test_availability_says_why_not(home):
     registry = load_registry()
-    assert proposer_catalog.available(registry.get(TARGET)) == ["draft", "ngram", "none"]
-    assert proposer_catalog.available(registry.get(LONE)) == ["ngram", "none"]
+    assert proposer_catalog.available(registry.get(TARGET)) == ["draft", "suffix", "ngram", "none"]
+    assert proposer_catalog.available(registry.get(LONE)) == ["suffix", "ngram", "none"]
     assert proposer_catalog.unavailable("draft", registry.get(LONE)) == f"{LONE} has no registered draft model"
     why = proposer_catalog.unavailable("eagle", registry.get(TARGET))
     assert why.startswith(f"no EAGLE head for {TARGET} on this machine ({eagle_head_dir(TARGET)})")

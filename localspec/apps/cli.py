@@ -49,7 +49,14 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ngram-min", type=int, default=1, help="shortest suffix prompt lookup matches")
     p.add_argument("--ngram-max", type=int, default=4, help="longest suffix prompt lookup tries first")
     p.add_argument("--no-lookup", action="store_true",
-                   help="draft/EAGLE: do not add prompt lookup's guesses to the model's (default: add them)")
+                   help="draft/EAGLE: do not add suffix decoding's guesses to the model's (default: add them)")
+
+
+def _add_history_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--no-history", action="store_true", help="suffix decoding: neither guess from nor keep this "
+                   "model's earlier conversations on this machine (`localspec forget` clears what is kept)")
+    p.add_argument("--context", dest="context_paths", nargs="+", action="extend", default=[], metavar="PATH", help="suffix decoding also "
+                   "guesses from these files (a folder: its text files), for this session")
 
 
 def _add_sampling_options(p: argparse.ArgumentParser) -> None:
@@ -77,6 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="answer one prompt, streaming to stdout")
     run.add_argument("prompt", help="the prompt, or - to read it from stdin")
     _add_model_options(run)
+    _add_history_options(run)
     run.add_argument("--proposer", default="auto", choices=proposer_catalog.CHOICES,
                      help=f"who guesses the next tokens (auto: the fastest that can run here); {PROPOSER_HELP}")
     _add_sampling_options(run)
@@ -118,6 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="for a model with a 4-bit GGUF on the hub: gguf takes it, float the 16-bit files; auto "
                       "takes the GGUF on a CPU and where the 16-bit weights would not fit")
 
+    forget = sub.add_parser("forget", help="remove what suffix decoding kept of earlier conversations here")
+    forget.add_argument("--model", default=None, help="only this model's (default: every model's)")
+
     rm = sub.add_parser("rm", help="delete a model's downloads and converted copies")
     rm.add_argument("name", help="registry name")
 
@@ -146,6 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     chat = sub.add_parser("chat", help="terminal chat with live speculation statistics (also: bare `localspec`)")
     _add_model_options(chat)
+    _add_history_options(chat)
     chat.add_argument("--proposer", default="auto", choices=proposer_catalog.CHOICES)
     _add_sampling_options(chat)
     chat.add_argument("--system", default="", help="system prompt")
@@ -154,6 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server for editors, agents and web UIs")
     _add_model_options(serve)
+    _add_history_options(serve)
     serve.add_argument("--proposer", default="auto", choices=proposer_catalog.CHOICES)
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: this machine only)")
     serve.add_argument("--port", type=int, default=8080)
@@ -173,6 +186,9 @@ def spec_from(args: argparse.Namespace, proposer: str) -> SpecConfig:
         ngram_min=args.ngram_min, ngram_max=args.ngram_max, draft_quant=args.draft_quant,
         quant=getattr(args, "quant", "auto"), tree_top_k=args.tree_top_k, tree_nodes=args.tree_nodes,
         tree_depth=args.tree_depth, lookup=not args.no_lookup,
+        # run, chat and serve have the history options; bench never guesses from earlier answers
+        history=not getattr(args, "no_history", True),
+        context=tuple(str(Path(path).expanduser().resolve()) for path in getattr(args, "context_paths", ())),
     )
 
 
@@ -339,6 +355,16 @@ def cmd_rm(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_forget(args: argparse.Namespace) -> int:
+    from localspec.store.token_history import forget, history_dir
+
+    name = args.model  # a registry name, or one removed from it since: its history may still be here
+    removed = forget(name)
+    what = f"{name}'s earlier conversations" if name else "every model's earlier conversations"
+    print(f"forgot {what}: {len(removed)} file{'' if len(removed) == 1 else 's'} removed from {history_dir()}")
+    return 0
+
+
 def cmd_pair(args: argparse.Namespace) -> int:
     from localspec.apps.pairing import pair
 
@@ -430,7 +456,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         _register_own_files(args)
         return {"run": cmd_run, "models": cmd_models, "bench": cmd_bench, "chat": cmd_chat,
-                "pull": cmd_pull, "rm": cmd_rm, "pair": cmd_pair, "train-eagle": cmd_train_eagle,
+                "pull": cmd_pull, "rm": cmd_rm, "forget": cmd_forget, "pair": cmd_pair, "train-eagle": cmd_train_eagle,
                 "serve": cmd_serve}[args.command](args)
     except LocalspecError as exc:
         print(f"localspec: error: {exc}", file=sys.stderr)

@@ -85,7 +85,7 @@ def pair(
             continue
         drafts.append(draft)
 
-    spec = SpecConfig()
+    spec = SpecConfig(history=False)  # measured on the prompts alone; the wizard's answers are not the user's
     results: list[Candidate] = []
     drafting = [name for name, kind in proposer_catalog.KINDS.items() if kind.draft_model]
     for draft_entry, proposers in [(None, alone), *((d, drafting) for d in drafts)]:

@@ -66,6 +66,11 @@ class SpecConfig:
     """EAGLE: fixed tree size; None sizes each tree from the measured verify cost per width."""
     tree_depth: int | None = None
     """EAGLE: fixed depth; None drafts a level only while it pays for its head step."""
+    history: bool = True
+    """Suffix decoding (the proposer, and the lookup a model proposer carries) also guesses from this
+    model's earlier conversations here, and keeps each finished one; False: neither read nor written."""
+    context: tuple[str, ...] = ()
+    """Files and folders whose text suffix decoding also guesses from (`--context`), for the session."""
     lookup: bool = True
     """Model proposers (draft, EAGLE) also offer prompt lookup's guess in the same verify pass, and
     skip their own drafting when the lookup alone is expected to pay more. Output is unchanged."""

@@ -43,7 +43,7 @@ from localspec.core.proposers.ngram import NgramProposer
 from localspec.core.events import FinalEvent, Likelihood, Piece, TokenEvent
 from localspec.core.sampling import likelihoods, make_generator
 from localspec.core.stats import GenerationStats, Opening, PassFigures
-from localspec.core.tree import Draft, verify_inputs, visible_rows
+from localspec.core.tree import Draft, matched_path, verify_inputs, visible_rows
 from localspec.core.verify import verify
 from localspec.runtime.attention import RowPlan
 from localspec.runtime.costs import CostModel
@@ -136,6 +136,7 @@ class Engine:
         context_len: int | None = None,
         proposer_reason: str = "",
         clock: Callable[[], float] = time.perf_counter,
+        lookup: Proposer | None = None,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -150,8 +151,10 @@ class Engine:
         self.device = self.target_pass.device
         self.kv = self.target_pass.new_cache(self.context_len)
         self.kv_tokens = CachedTokens(self.kv.truncate)
-        # a model proposer also carries prompt lookup's guesses: free, and right where text repeats
-        self.lookup = NgramProposer(spec.ngram_min, spec.ngram_max) if spec.lookup and proposer is not None and proposer.has_model else None
+        # a model proposer also carries a lookup's guesses (prompt lookup, or `lookup`: suffix
+        # decoding's over earlier conversations too): free, and right where text repeats
+        carries = spec.lookup and proposer is not None and proposer.has_model
+        self.lookup = (lookup or NgramProposer(spec.ngram_min, spec.ngram_max)) if carries else None
         self.policy = DraftPolicy(spec, costs)
         self.max_nodes = 64
         """Most draft nodes per pass; halved when a wide pass runs out of memory."""
@@ -229,6 +232,9 @@ class Engine:
         elif proposal.skipped_model:
             self.stats.lookup_passes += 1
             self.stats.lookup_accepted += len(accepted)
+        if proposal.lookup is not None and proposal.lookup.history:
+            self.stats.history_passes += 1
+            self.stats.history_accepted += len(matched_path(proposal.lookup, accepted))
         if self.policy.guard is not None and (notice := self.policy.guard.record(len(draft), len(accepted) + 1, verified - started)):
             self.stats.notices.append(notice)
         return accepted, verdict.next_token, scored
@@ -386,6 +392,10 @@ class Engine:
             if stop:
                 stats.stop_reason = stop
                 yield FinalEvent(pieces, figures, stats, echoed=echoed)
+                # after the answer is out: a proposer that learns from finished conversations
+                # (suffix decoding's index) may take a moment to keep this one
+                for proposer in {self.proposer, self.lookup} - {None}:
+                    self._guarded(proposer.finished, None, tokens)
                 return
             # every pass, even one whose text is held back: a consumer can stop between any two
             yield TokenEvent(pieces, figures, echoed=echoed)

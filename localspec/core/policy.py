@@ -226,8 +226,11 @@ class DraftPolicy:
         if proposer is None or limit <= 0 or not self.allows:
             return Proposal(Draft.chain([]))
         guesser = lookup if proposer.has_model else proposer
-        guess = guesser.propose(tokens, self.chain_limit(limit), sampling, generator) if guesser else Draft.chain([])
-        guess = guess.first(self.lookup_len(guess.label, len(guess)))
+        alone = guesser is proposer  # a lookup verified on its own keeps its draft's shape, a tree too
+        wanted = limit if alone and proposer.builds_trees else self.chain_limit(limit)
+        guess = guesser.propose(tokens, wanted, sampling, generator) if guesser else Draft.chain([])
+        guess = guess if alone else guess.likeliest_chain()  # grafted into the model's draft as one branch
+        guess = guess.first(self.lookup_size(guess, limit))
         if not proposer.has_model:
             return Proposal(guess, lookup=guess)
         if len(guess) and self.lookup_alone_pays(guess):
@@ -252,6 +255,16 @@ class DraftPolicy:
         else:
             wanted = min(UNMEASURED_DRAFT_LEN, self.spec.max_draft_len)
         return max(0, min(wanted, available))
+
+    def lookup_size(self, guess: Draft, limit: int) -> int:
+        """Nodes of a lookup's guess worth verifying: a chain's length by its label's acceptance
+        (`lookup_len`); a tree's node count by its path probabilities, as a model's tree is sized
+        but with no drafting time (a lookup's guesses are free)."""
+        if guess.is_chain:
+            return self.lookup_len(guess.label, len(guess))
+        if self.spec.draft_len is not None:
+            return min(self.spec.draft_len, len(guess))
+        return self.tree_nodes(path_probabilities(guess), 0, limit)
 
     def lookup_alone_pays(self, guess: Draft) -> bool:
         """Whether verifying a lookup guess alone is expected to beat the model proposer's measured
@@ -310,10 +323,13 @@ class DraftPolicy:
     def learn(self, proposal: Proposal, accepted: list[int], seconds: float) -> int | None:
         """Learn from a verified pass that accepted `accepted` (tokens) in `seconds`; returns how
         many of the model proposer's own guesses were accepted (None: it did not draft)."""
-        if proposal.lookup is not None:
-            right = common_prefix(proposal.lookup.tokens, accepted)
-            self.lookup_acceptance[proposal.lookup.label].update(len(proposal.lookup), right)
-            self.lookup_evidence[proposal.lookup.label].update(len(proposal.lookup), right)
+        guess = proposal.lookup
+        if guess is not None and guess.is_chain:
+            right = common_prefix(guess.tokens, accepted)
+            self.lookup_acceptance[guess.label].update(len(guess), right)
+            self.lookup_evidence[guess.label].update(len(guess), right)
+        elif guess is not None:  # a lookup's tree: its path probabilities, calibrated as a model's tree is
+            self.tree_calibration.add(len(matched_path(guess, accepted)), sum(path_probabilities(guess)))
         own = proposal.model
         if own is None:
             return None

@@ -49,6 +49,10 @@ class PassFigures:
     the rest are the proposer's own."""
     lookup_passes: int = 0
     """1 when the pass verified prompt lookup's guess alone, without the model proposer."""
+    history_passes: int = 0
+    """1 when the pass verified guesses from earlier conversations (the suffix index)."""
+    history_accepted: int = 0
+    """Of the accepted guesses, those from earlier conversations; the rest came from this one or a model."""
     draft_steps: int = 0
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
@@ -68,6 +72,7 @@ class PassFigures:
         return PassFigures(
             self.drafted - before.drafted, self.accepted - before.accepted,
             self.lookup_accepted - before.lookup_accepted, self.lookup_passes - before.lookup_passes,
+            self.history_passes - before.history_passes, self.history_accepted - before.history_accepted,
             self.draft_steps - before.draft_steps, self.draft_seconds - before.draft_seconds,
             self.verify_seconds - before.verify_seconds, **rest,
         )
@@ -97,6 +102,10 @@ class GenerationStats:
     """Passes that verified prompt lookup's guess alone, since it was expected to beat the model proposer."""
     lookup_accepted: int = 0
     """With a model proposer: accepted tokens that only prompt lookup had guessed."""
+    history_passes: int = 0
+    """Passes that verified guesses from earlier conversations (the suffix proposer's index)."""
+    history_accepted: int = 0
+    """Accepted tokens guessed from earlier conversations; the rest from this one or a model."""
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     prefill_seconds: float = 0.0
@@ -132,7 +141,7 @@ class GenerationStats:
         """The counters the passes have added up so far, as figures (a pass's share is their
         difference across it)."""
         return PassFigures(self.drafted, self.accepted, self.lookup_accepted, self.lookup_passes,
-                           self.draft_steps, self.draft_seconds, self.verify_seconds)
+                           self.history_passes, self.history_accepted, self.draft_steps, self.draft_seconds, self.verify_seconds)
 
     def advance(self, figures: PassFigures) -> None:
         """The answer's side of a pass: its tokens, their plain-decoding cost and the clock."""
@@ -153,6 +162,8 @@ class GenerationStats:
         self.record_pass(figures.drafted, figures.accepted, figures.draft_seconds, figures.verify_seconds)
         self.lookup_accepted += figures.lookup_accepted
         self.lookup_passes += figures.lookup_passes
+        self.history_passes += figures.history_passes
+        self.history_accepted += figures.history_accepted
         self.draft_steps += figures.draft_steps
         self.notices += figures.notices
         self.advance(figures)
@@ -197,6 +208,8 @@ class GenerationStats:
     def summary(self) -> str:
         alone = f"{self.lookup_passes} pass{'' if self.lookup_passes == 1 else 'es'} alone"
         lookup = f", prompt lookup +{self.lookup_accepted} tokens ({alone})" if self.lookup_accepted or self.lookup_passes else ""
+        if self.history_passes:
+            lookup += f", history +{self.history_accepted} tokens ({self.history_passes} pass{'' if self.history_passes == 1 else 'es'})"
         return (
             f"[{self.proposer}] {self.new_tokens} tokens, {self.decode_tokens_per_second:.2f} tok/s, "
             f"TTFT {self.ttft_seconds * 1000:.0f} ms, acceptance {self.acceptance_rate:.0%}, "
@@ -222,6 +235,8 @@ class GenerationStats:
             "draft_steps": self.draft_steps,
             "lookup_passes": self.lookup_passes,
             "lookup_accepted": self.lookup_accepted,
+            "history_passes": self.history_passes,
+            "history_accepted": self.history_accepted,
             "draft_seconds": self.draft_seconds,
             "verify_seconds": self.verify_seconds,
             "cost_ratio_c": self.cost_ratio,

@@ -30,6 +30,8 @@ class Draft:
     the engine learns how often guesses of each confidence are accepted."""
     steps: int | None = None
     """Model steps spent drafting (a tree drafts a whole level per step); None = one per node."""
+    history: bool = False
+    """The guesses came from earlier conversations (the suffix proposer's index), not this one."""
 
     def __post_init__(self) -> None:
         if len(self.tokens) != len(self.parents):
@@ -52,7 +54,19 @@ class Draft:
     def first(self, n: int) -> "Draft":
         """The first n nodes: still a valid tree, since parents come before their children (a
         chain keeps its first n guesses)."""
-        return Draft(self.tokens[:n], self.parents[:n], self.probs[:n], self.label, self.confidences[:n], self.steps)
+        return Draft(self.tokens[:n], self.parents[:n], self.probs[:n], self.label, self.confidences[:n], self.steps,
+                     self.history)
+
+    def likeliest_chain(self) -> "Draft":
+        """The chain of first-ranked children from the root down (a chain is its own)."""
+        if self.is_chain:
+            return self
+        nodes, node = [], -1
+        while (below := self.children(node)):
+            node = below[0]
+            nodes.append(node)
+        return Draft([self.tokens[i] for i in nodes], list(range(-1, len(nodes) - 1)), [self.probs[i] for i in nodes],
+                     self.label, [self.confidences[i] for i in nodes] if self.confidences else [], self.steps, self.history)
 
     @property
     def is_chain(self) -> bool:

@@ -61,6 +61,25 @@ def _build_ngram(spec, target, draft, costs) -> Proposer:
     return NgramProposer(spec.ngram_min, spec.ngram_max)
 
 
+def _build_suffix(spec, target, draft, costs) -> Proposer:
+    return suffix_lookup(spec, target)
+
+
+def suffix_lookup(spec: SpecConfig, target: LoadedModel) -> Proposer:
+    """Suffix decoding over this conversation, this model's earlier ones here (unless
+    `--no-history`) and the `--context` files: the suffix proposer, and the lookup a model
+    proposer carries."""
+    import sys
+
+    from localspec.core.proposers.suffix import SuffixProposer
+    from localspec.store.token_history import TokenHistory, context_documents
+
+    context = context_documents(spec.context, target.tokenizer.encode) if spec.context else []
+    history = TokenHistory(target.name, context, keep=spec.history,
+                           notify=lambda line: print(f"localspec: {line}", file=sys.stderr))
+    return SuffixProposer(history.index(), history.remember)
+
+
 def _build_draft(spec, target, draft, costs) -> Proposer:
     from localspec.core.proposers.draft_model import DraftModelProposer
 
@@ -98,6 +117,8 @@ KINDS: dict[str, ProposerKind] = {
                      "the EAGLE head", _build_eagle, head=True, trees=True),
         ProposerKind("draft", "a small model with the target's tokenizer drafts a chain", "the draft model",
                      _build_draft, draft_model=True),
+        ProposerKind("suffix", "suffix decoding: a tree of what followed the text's latest suffix in this "
+                     "conversation, earlier ones here and --context files", "suffix decoding", _build_suffix, trees=True),
         ProposerKind("ngram", "prompt lookup: what followed the text's latest suffix earlier on", "prompt lookup",
                      _build_ngram),
         ProposerKind("none", "plain decoding, one token per target pass", "plain decoding", _no_proposer),
@@ -192,6 +213,8 @@ def _gb(n: int) -> str:
 
 
 PROMPT_LOOKUP = Reason("prompt lookup needs no extra model", "needs no extra model")
+SUFFIX_DECODING = Reason("suffix decoding needs no extra model and remembers earlier answers here",
+                         "needs no extra model")
 
 
 def rank_proposers(
@@ -209,7 +232,7 @@ def rank_proposers(
 
     An explicit proposer that cannot run for this target is a one-line error; asked for, it is
     the one candidate, except that a draft model gives way to prompt lookup when it does not fit
-    in memory. For auto the order is EAGLE head > draft model > n-gram > none. A proposer is left
+    in memory. For auto the order is EAGLE head > draft model > suffix decoding > n-gram > none. A proposer is left
     out when it is not downloaded, does not fit in `memory` (bytes free for weights and caches)
     beside the target, or was measured slower than plain decoding on this machine (`history`,
     keyed by pair_key); the EAGLE head also when a draft was measured faster here. A saved
@@ -292,6 +315,12 @@ def rank_proposers(
     if not entry.drafts:
         skipped.append(Reason("no registered draft", "no draft registered"))
 
+    measured = slow("suffix")
+    if measured is None:
+        rank("suffix", SUFFIX_DECODING)
+    else:
+        skipped.append(Reason(f"suffix decoding measured {measured.speedup:.2f}x plain here",
+                              f"suffix decoding measured {measured.speedup:.2f}x plain"))
     measured = slow("ngram")
     if measured is None:
         rank("ngram", PROMPT_LOOKUP)

@@ -248,9 +248,12 @@ def make_engine(
     """An engine over already-loaded weights (the benchmark builds several over the same ones);
     `costs` when they were measured for this pair already."""
     costs = costs or costs_for(target, draft if proposer_catalog.kind(proposer).draft_model else None)
+    built = proposer_catalog.build(proposer, spec, target, draft, costs)
+    # a model proposer carries suffix decoding's guesses (this conversation, earlier ones, --context)
+    carried = proposer_catalog.suffix_lookup(spec, target) if built is not None and built.has_model and spec.lookup else None
     return Engine(
-        target.model, target.tokenizer, proposer_catalog.build(proposer, spec, target, draft, costs), spec=spec,
-        costs=costs, context_len=target.context_len, proposer_reason=reason,
+        target.model, target.tokenizer, built, spec=spec,
+        costs=costs, context_len=target.context_len, proposer_reason=reason, lookup=carried,
     )
 
 

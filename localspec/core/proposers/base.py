@@ -63,5 +63,9 @@ class Proposer(ABC):
         lists the pass's inputs now committed (None = all, a prefill). Proposers that read the
         target's hidden states (EAGLE) collect them here; others ignore it."""
 
+    def finished(self, tokens: list[int]) -> None:
+        """A generation ended: `tokens` are its prompt and its answer. Proposers that learn from
+        earlier conversations (suffix decoding) keep them; others ignore it."""
+
     def close(self) -> None:
         """Release anything attached to the target (hooks)."""
