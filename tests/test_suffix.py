@@ -9,6 +9,7 @@ import torch
 
 from conftest import PROMPT_IDS, VOCAB, hf_greedy, tiny_model
 from localspec.base.config import GenerationLimits, SamplingConfig, SpecConfig
+from localspec.base.errors import LocalspecError
 from localspec.core.engine import Engine
 from localspec.core.proposers.suffix import (
     MAX_MATCH, MIN_PATH_PROBABILITY, SuffixIndex, SuffixProposer, expected_accepted, frequency_tree, live_match,
@@ -116,7 +117,7 @@ def test_suffix_decoding_reproduces_plain_greedy_from_right_wrong_and_branching_
     branching = PROMPT_IDS + expected[:7] + [(t + 1) % VOCAB for t in expected[7:]]  # agrees, then not
     wrong = PROMPT_IDS[-3:] + [(t + 3) % VOCAB for t in expected]
     for documents in ([right], [branching, right, wrong], [wrong], []):
-        engine = Engine(model, None, SuffixProposer(SuffixIndex(documents)), SpecConfig())
+        engine = Engine(model, None, SuffixProposer([SuffixIndex(documents)]), SpecConfig())
         assert _run(engine, PROMPT_IDS, n) == expected, documents
         if documents and documents[0] is right:
             assert engine.stats.history_accepted > n // 2 and engine.stats.history_passes > 0
@@ -129,7 +130,7 @@ def test_a_model_proposer_carries_suffix_guesses_and_stays_exact():
     model, draft = tiny_model("llama", seed=1), tiny_model("llama", seed=9)
     n = 32
     expected = _greedy(model, PROMPT_IDS, n)
-    lookup = SuffixProposer(SuffixIndex([PROMPT_IDS + expected]))
+    lookup = SuffixProposer([SuffixIndex([PROMPT_IDS + expected])])
     engine = Engine(model, None, DraftModelProposer(draft), SpecConfig(draft_len=3), lookup=lookup)
     assert engine.lookup is lookup
     assert _run(engine, PROMPT_IDS, n) == expected
@@ -142,12 +143,12 @@ def test_finished_answers_are_remembered_and_guessed_next_time(tmp_path, monkeyp
     n = 40
     expected = _greedy(model, PROMPT_IDS, n)
     history = TokenHistory("tiny")
-    first = Engine(model, None, SuffixProposer(history.index(), history.remember), SpecConfig())
+    first = Engine(model, None, SuffixProposer(history.indexes(), history.remember), SpecConfig())
     assert _run(first, PROMPT_IDS, n) == expected
     assert first.stats.history_passes == 0
     assert token_history.history_file("tiny").exists()
     again = TokenHistory("tiny")  # another process, later
-    second = Engine(model, None, SuffixProposer(again.index(), again.remember), SpecConfig())
+    second = Engine(model, None, SuffixProposer(again.indexes(), again.remember), SpecConfig())
     assert _run(second, PROMPT_IDS, n) == expected
     # every guess from the history, and right (without measured costs a chain is cut at 4)
     assert second.stats.history_accepted == second.stats.accepted == second.stats.drafted >= n * 3 // 4
@@ -158,9 +159,9 @@ def test_no_history_neither_reads_nor_writes(tmp_path, monkeypatch):
     monkeypatch.setenv("LOCALSPEC_HOME", str(tmp_path))
     TokenHistory("tiny").remember([1, 2, 3, 4], set())
     off = TokenHistory("tiny", context=[[7, 8, 9]], keep=False)
-    assert len(off.index()) == 3  # the context only
+    assert [len(i) for i in off.indexes()] == [3]  # the context only
     assert off.remember([5, 6], set()) is None
-    assert len(TokenHistory("tiny").index()) == 4
+    assert [len(i) for i in TokenHistory("tiny").indexes()] == [4]
 
 
 def test_sampling_through_suffix_trees_keeps_the_target_distribution():
@@ -177,7 +178,7 @@ def test_sampling_through_suffix_trees_keeps_the_target_distribution():
     a1, a2 = sorted(first, key=first.get, reverse=True)[:2]
     b1, b2 = (max((pair for pair in exact if pair[0] == a), key=exact.get)[1] for a in (a1, a2))
     index = SuffixIndex([prompt[-3:] + [a1, b1], prompt[-3:] + [a2, b2]])
-    engine = Engine(target, None, SuffixProposer(index), SpecConfig(draft_len=4))
+    engine = Engine(target, None, SuffixProposer([index]), SpecConfig(draft_len=4))
     n, counts, from_history, siblings = 1000, {}, 0, 0
     for seed in range(n):  # four tokens, so the first pass may verify three nodes: a1, b1 and a2
         out = tuple(_run(engine, prompt, 4, SamplingConfig(temperature=1.0, seed=seed))[:2])
@@ -197,14 +198,32 @@ def test_the_history_replaces_a_conversations_earlier_turn_and_keeps_within_its_
     history.remember([1, 2, 3, 4, 5], set())  # the same conversation, one turn later
     history.remember([1, 2], set())  # held whole already: only used
     docs = token_history.read_documents(history.path, print)
-    assert [d.tolist() for d in docs.runs] == [[1, 2, 3, 4, 5]]
+    assert [d.tolist() for d in docs.runs] == [[1, 2, 3, 4, 5]] and docs.ids == [1] and docs.next_id == 2
     monkeypatch.setattr(token_history, "HISTORY_TOKENS", 10)
     history.remember([20, 21, 22, 23], set())
-    history.index()  # the ids in index order: the offered document is [1..5]
-    history.remember([30, 31, 32, 33], {0})  # [1..5] was offered: [20..23] is the least recently used
+    history.remember([30, 31, 32, 33], {1})  # [1..5] was offered since: [20..23] is the least recently used
     docs = token_history.read_documents(history.path, print)
-    assert [d.tolist() for d in docs.runs] == [[1, 2, 3, 4, 5], [30, 31, 32, 33]]
-    assert HISTORY_TOKENS >= 100_000
+    assert [d.tolist() for d in docs.runs] == [[1, 2, 3, 4, 5], [30, 31, 32, 33]] and docs.ids == [1, 3]
+    monkeypatch.setenv("LOCALSPEC_HISTORY_TOKENS", "5")
+    history.remember([40, 41], set())
+    assert [d.tolist() for d in token_history.read_documents(history.path, print).runs] == [[40, 41]]
+    monkeypatch.setenv("LOCALSPEC_HISTORY_TOKENS", "lots")
+    with pytest.raises(LocalspecError, match="LOCALSPEC_HISTORY_TOKENS"):
+        history.remember([50], set())
+
+
+def test_a_session_searches_what_it_added_without_rebuilding_the_settled_index(tmp_path, monkeypatch):
+    monkeypatch.setenv("LOCALSPEC_HOME", str(tmp_path))
+    history = TokenHistory("tiny", context=[[90, 91, 92]])
+    settled, = history.indexes()
+    assert len(settled) == 3 and settled.ids.tolist() == [-1]
+    indexes = history.remember(list(range(10, 30)), set())
+    assert indexes[0] is settled and len(indexes[1]) == 20
+    indexes = history.remember(list(range(40, 50)), set())
+    assert indexes[0] is settled and len(indexes[1]) == 30  # both answers in the fresh one
+    monkeypatch.setattr(token_history, "SETTLE_MINIMUM", 10)
+    merged, = history.remember(list(range(60, 70)), set())  # past a quarter of the settled index: one again
+    assert len(merged) == 43 and history.settled is merged
 
 
 def test_a_damaged_history_is_set_aside_with_one_notice(tmp_path, monkeypatch):
@@ -215,18 +234,16 @@ def test_a_damaged_history_is_set_aside_with_one_notice(tmp_path, monkeypatch):
     for damage in (b"not an npz", b"PK\x03\x04truncated"):
         path.write_bytes(damage)
         history = TokenHistory("tiny", notify=said.append)
-        assert len(history.index()) == 0
+        assert [len(i) for i in history.indexes()] == [0]
         assert len(said) == 1 and "damaged" in said[0] and path.with_name(path.name + ".damaged").exists()
         history.remember([1, 2, 3], set())
-        assert len(TokenHistory("tiny").index()) == 3
+        assert [len(i) for i in TokenHistory("tiny").indexes()] == [3]
         said.clear()
     np.savez(open(path, "wb"), tokens=np.array([1, 2], dtype=np.int32), lengths=np.array([5]), ids=np.array([0]), used=np.array([0.0]))
-    assert len(TokenHistory("tiny", notify=said.append).index()) == 0 and len(said) == 1  # parts that disagree
+    assert [len(i) for i in TokenHistory("tiny", notify=said.append).indexes()] == [0] and len(said) == 1  # parts that disagree
 
 
 def test_context_files_are_read_and_binaries_and_hidden_files_passed_over(tmp_path):
-    from localspec.base.errors import LocalspecError
-
     (tmp_path / "src").mkdir()
     (tmp_path / "src" / "a.py").write_text("def f():\n    return 1\n")
     (tmp_path / "src" / "blob.bin").write_bytes(b"\0\1\2")

@@ -109,6 +109,7 @@ def run_localspec(engine, prompt: str, max_new: int) -> dict:
         "mean_accepted_length": stats.accepted / stats.passes if stats.passes else 0.0,
         "accepted_length_histogram": stats.accepted_hist, "draft_steps": stats.draft_steps,
         "lookup_passes": stats.lookup_passes, "lookup_accepted": stats.lookup_accepted,
+        "history_passes": stats.history_passes, "history_accepted": stats.history_accepted,
     }
 
 

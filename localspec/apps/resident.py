@@ -62,7 +62,7 @@ class EngineRecord:
 
     def serves(self, model: str, dtype: str, spec: SpecConfig) -> bool:
         """Whether an answer from it is what a command with these options would compute in-process."""
-        return (self.model, self.dtype, self.spec) == (model, dtype, asdict(spec))
+        return (self.model, self.dtype, self.spec) == (model, dtype, json.loads(json.dumps(asdict(spec))))  # as the file holds it
 
     @property
     def address(self) -> tuple[str, int]:
@@ -232,7 +232,9 @@ def serve_args(spec: SpecConfig) -> list[str]:
     for flag, value in (("--draft-len", spec.draft_len), ("--tree-nodes", spec.tree_nodes), ("--tree-depth", spec.tree_depth)):
         if value is not None:
             args += [flag, str(value)]
-    return args + ([] if spec.lookup else ["--no-lookup"])
+    if spec.context:
+        args += ["--context", *spec.context]
+    return args + ([] if spec.lookup else ["--no-lookup"]) + ([] if spec.history else ["--no-history"])
 
 
 def start_engine(model: str, dtype: str, spec: SpecConfig, keep_alive: str,

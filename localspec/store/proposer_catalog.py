@@ -77,7 +77,7 @@ def suffix_lookup(spec: SpecConfig, target: LoadedModel) -> Proposer:
     context = context_documents(spec.context, target.tokenizer.encode) if spec.context else []
     history = TokenHistory(target.name, context, keep=spec.history,
                            notify=lambda line: print(f"localspec: {line}", file=sys.stderr))
-    return SuffixProposer(history.index(), history.remember)
+    return SuffixProposer(history.indexes(), history.remember)
 
 
 def _build_draft(spec, target, draft, costs) -> Proposer:

@@ -31,7 +31,12 @@ from localspec.base.files import check_name, locked, write_atomic
 from localspec.core.proposers.suffix import SuffixIndex
 
 HISTORY_TOKENS = 1_000_000
-"""Most tokens kept per model (about 4 MB on disk; the index built from them about 20 MB in memory)."""
+"""Most tokens kept per model by default (4 bytes each on disk; about 16 in memory, searched);
+$LOCALSPEC_HISTORY_TOKENS changes it (`history_cap`)."""
+SETTLE_SHARE = 0.25
+SETTLE_MINIMUM = 20_000
+"""The fresh index is merged into the settled one once it holds more than SETTLE_SHARE of it (and
+of at least SETTLE_MINIMUM tokens): rebuilding the whole index is then paid once per that much text."""
 RECENT_CONVERSATIONS = 16
 """How many of the latest documents a new one is compared with (a conversation's previous turn)."""
 CONTEXT_FILE_BYTES = 4 << 20
@@ -39,8 +44,19 @@ CONTEXT_FILE_BYTES = 4 << 20
 CONTEXT_TOTAL_BYTES = 16 << 20
 
 
+def history_cap() -> int:
+    raw = os.environ.get("LOCALSPEC_HISTORY_TOKENS")
+    if raw is None:
+        return HISTORY_TOKENS
+    if not raw.isdigit() or int(raw) < 1:
+        raise LocalspecError(f"LOCALSPEC_HISTORY_TOKENS must be a positive number of tokens, got {raw!r}")
+    return int(raw)
+
+
 def history_dir() -> Path:
-    return home_dir() / "written"
+    """Where the histories live: home_dir()/written, or $LOCALSPEC_HISTORY_DIR (a benchmark's
+    replay starts from an empty one)."""
+    return Path(os.environ["LOCALSPEC_HISTORY_DIR"]).expanduser() if os.environ.get("LOCALSPEC_HISTORY_DIR") else home_dir() / "written"
 
 
 def history_file(model: str) -> Path:
@@ -54,6 +70,8 @@ class Documents:
     runs: list[np.ndarray]
     ids: list[int]
     used: list[float]
+    next_id: int = 0
+    """The id the next document gets: ids are never reused, so a session's offered ids stay true."""
 
     @classmethod
     def empty(cls) -> Documents:
@@ -74,10 +92,12 @@ class Documents:
             if np.array_equal(tokens[: len(held)], held):
                 del self.runs[i], self.ids[i], self.used[i]
                 break
-        self.runs.append(tokens[-HISTORY_TOKENS:])
-        self.ids.append(max(self.ids, default=-1) + 1)
+        cap = history_cap()
+        self.runs.append(tokens[-cap:])
+        self.ids.append(self.next_id)
+        self.next_id += 1
         self.used.append(now)
-        while self.tokens > HISTORY_TOKENS:
+        while self.tokens > cap:
             oldest = int(np.argmin(self.used))
             del self.runs[oldest], self.ids[oldest], self.used[oldest]
 
@@ -95,9 +115,11 @@ def read_documents(path: Path, notify: Callable[[str], None]) -> Documents:
         with np.load(path, allow_pickle=False) as saved:
             tokens, lengths = saved["tokens"].astype(np.int32), saved["lengths"].astype(np.int64)
             ids, used = saved["ids"].astype(np.int64).tolist(), saved["used"].astype(np.float64).tolist()
-        if (lengths < 0).any() or lengths.sum() != len(tokens) or not (len(lengths) == len(ids) == len(used)) or (tokens < 0).any():
+            next_id = int(saved["next_id"])
+        if ((lengths < 0).any() or lengths.sum() != len(tokens) or not (len(lengths) == len(ids) == len(used))
+                or (tokens < 0).any() or any(i >= next_id for i in ids)):
             raise ValueError("its parts do not agree")
-        return Documents(np.split(tokens, np.cumsum(lengths)[:-1]) if len(lengths) else [], ids, used)
+        return Documents(np.split(tokens, np.cumsum(lengths)[:-1]) if len(lengths) else [], ids, used, next_id)
     except Exception as exc:  # truncated, not an npz, hand-edited: the history is a cache of past text
         damaged = path.with_name(path.name + ".damaged")
         os.replace(path, damaged)
@@ -108,15 +130,20 @@ def read_documents(path: Path, notify: Callable[[str], None]) -> Documents:
 def write_documents(path: Path, docs: Documents) -> None:
     tokens = np.concatenate(docs.runs).astype(np.int32) if docs.runs else np.zeros(0, dtype=np.int32)
     arrays = dict(tokens=tokens, lengths=np.array([len(r) for r in docs.runs], dtype=np.int64),
-                  ids=np.array(docs.ids, dtype=np.int64), used=np.array(docs.used, dtype=np.float64))
+                  ids=np.array(docs.ids, dtype=np.int64), used=np.array(docs.used, dtype=np.float64),
+                  next_id=np.array(docs.next_id, dtype=np.int64))
     write_atomic(path, lambda out: np.savez(out, **arrays), durable=False)
 
 
 class TokenHistory:
-    """One model's history on this machine, plus the session's context files, as an index.
+    """One model's history on this machine, plus the session's context files, as the indexes the
+    suffix proposer searches.
 
-    `index()` is what the suffix proposer searches; `remember` is what it calls with each finished
-    conversation (and the index's documents it offered guesses from), and returns the new index.
+    Two indexes, so that keeping an answer costs what the answer is long, not what the history
+    is: the settled one (the history as it was when the session began, and the context files) and
+    a fresh one over what was added since, rebuilt with each answer; when the fresh one outgrows
+    SETTLE_SHARE of the settled one, both are made one again. A document removed from the file
+    (replaced by its conversation's next turn, or evicted) stays searchable until then.
     """
 
     def __init__(self, model: str, context: Sequence[Sequence[int]] = (), keep: bool = True,
@@ -127,17 +154,18 @@ class TokenHistory:
         """False (`--no-history`): the file is neither read nor written; the context still counts."""
         self.notify = notify
         self.clock = clock
-        self.ids: list[int] = []
-        """Stable ids of the history documents in the index, in its order (the context's follow)."""
+        self.settled: SuffixIndex | None = None
 
-    def index(self) -> SuffixIndex:
+    def indexes(self) -> list[SuffixIndex]:
+        """The indexes to search at the start of a session."""
         docs = read_documents(self.path, self.notify) if self.keep else Documents.empty()
-        return self._index(docs)
+        return [self._settle(docs)]
 
-    def remember(self, tokens: list[int], used: set[int]) -> SuffixIndex | None:
+    def remember(self, tokens: list[int], offered: set[int]) -> list[SuffixIndex] | None:
+        """Keep a finished conversation (`offered`: ids of the documents guesses came from since
+        the last one); the indexes to search from now on, None when nothing changed."""
         if not self.keep or not tokens:
             return None
-        offered = {self.ids[i] for i in used if i < len(self.ids)}
         try:
             with locked(self.path):
                 docs = read_documents(self.path, self.notify)
@@ -148,11 +176,16 @@ class TokenHistory:
         except OSError as exc:  # a full disk or a read-only home must not end the session
             self.notify(f"could not save the suffix history ({exc.strerror or exc}); answers go on without it")
             return None
-        return self._index(docs)
+        settled = self.settled if self.settled is not None else self._settle(Documents.empty())
+        held = set(settled.ids.tolist())
+        new = [i for i, doc in enumerate(docs.ids) if doc not in held]  # this session's answers, other processes' too
+        if sum(len(docs.runs[i]) for i in new) > SETTLE_SHARE * max(len(settled), SETTLE_MINIMUM):
+            return [self._settle(docs)]
+        return [settled, SuffixIndex([docs.runs[i] for i in new], [docs.ids[i] for i in new])]
 
-    def _index(self, docs: Documents) -> SuffixIndex:
-        self.ids = list(docs.ids)
-        return SuffixIndex([*docs.runs, *self.context])
+    def _settle(self, docs: Documents) -> SuffixIndex:
+        self.settled = SuffixIndex([*docs.runs, *self.context], [*docs.ids, *[-1] * len(self.context)])
+        return self.settled
 
 
 def forget(model: str | None = None) -> list[Path]:

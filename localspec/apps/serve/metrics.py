@@ -27,6 +27,8 @@ def timings(stats: GenerationStats) -> dict:
         "draft_n": stats.drafted,
         "draft_n_accepted": stats.accepted,
         "accepted_at_position": list(stats.accepted_at),
+        "history_passes": stats.history_passes,
+        "history_n_accepted": stats.history_accepted,
         "proposer": stats.proposer,
     }
 
@@ -40,6 +42,9 @@ COUNTERS = (
     ("drafts_total", "Passes that verified a draft.", "drafts"),
     ("drafted_tokens_total", "Tokens proposed for verification.", "draft_n"),
     ("accepted_tokens_total", "Proposed tokens the target accepted.", "draft_n_accepted"),
+    ("history_passes_total", "Passes that verified suffix decoding's guesses from earlier conversations.", "history_passes"),
+    ("history_accepted_tokens_total", "Accepted tokens guessed from earlier conversations (suffix decoding).",
+     "history_n_accepted"),
 )
 
 

@@ -153,6 +153,9 @@ class StatsPanel(VerticalScroll):
         if stats.lookup_accepted or stats.lookup_passes:  # a model proposer carrying prompt lookup's guesses
             alone = f"{stats.lookup_passes} pass{'' if stats.lookup_passes == 1 else 'es'} without the model"
             grid.add_row("from lookup", f"{stats.lookup_accepted} tokens ({alone})")
+        if stats.history_passes:  # suffix decoding guessed from earlier conversations
+            passes = f"{stats.history_passes} pass{'' if stats.history_passes == 1 else 'es'}"
+            grid.add_row("from history", f"{stats.history_accepted} tokens ({passes})")
         grid.add_row("draft time", f"{stats.draft_seconds:.2f} s")
         grid.add_row("verify time", f"{stats.verify_seconds:.2f} s ({stats.passes} passes)")
         grid.add_row("speedup", f"{stats.measured_speedup:.2f}x measured, {stats.predicted_speedup:.2f}x formula")

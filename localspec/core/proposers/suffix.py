@@ -45,35 +45,40 @@ LABEL_MATCH_CAP = 8
 class SuffixIndex:
     """Documents of token ids, searchable for every occurrence of a token sequence.
 
-    `corpus` is the documents concatenated, each followed by END; `order` its suffix array;
-    `heads[i] = corpus[order[i]]` (sorted), which the search starts from. Documents keep the order
-    they were given in, oldest first: a larger position is more recent text.
+    `corpus` is the documents concatenated, each followed by END (then END padding, so a search or
+    a continuation may read past the last document); `order` its suffix array; `heads[i] =
+    corpus[order[i]]` (ascending), where a search starts. Documents keep the order they were
+    given in, oldest first: a larger position is more recent text. `ids` names each document for
+    whoever keeps them (the history's stable ids; -1 for text that is not kept).
     """
 
-    def __init__(self, documents: Sequence[Sequence[int]]) -> None:
+    def __init__(self, documents: Sequence[Sequence[int]], ids: Sequence[int] | None = None) -> None:
         from pydivsufsort import divsufsort  # a C library: imported where an index is made
 
-        parts = [np.append(np.asarray(doc, dtype=np.int32), END) for doc in documents if len(doc)]
-        self.corpus = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)  # (T,)
+        kept = [i for i, doc in enumerate(documents) if len(doc)]
+        parts = [np.append(np.asarray(documents[i], dtype=np.int32), END) for i in kept]
+        size = sum(len(p) for p in parts)
+        self.corpus = np.concatenate([*parts, np.full(MAX_MATCH + MAX_DEPTH, END, dtype=np.int32)])  # (T + pad,)
+        self.size = size - len(parts)
         self.starts = np.cumsum([0] + [len(p) for p in parts])[:-1]  # (D,): where each document begins
-        self.order = divsufsort(self.corpus).astype(np.int64) if len(self.corpus) else np.zeros(0, dtype=np.int64)  # (T,)
+        self.ids = np.asarray([ids[i] for i in kept] if ids is not None else kept, dtype=np.int64)  # (D,)
+        self.order = divsufsort(self.corpus[:size]) if size else np.zeros(0, dtype=np.int32)  # (T,)
         self.heads = self.corpus[self.order]  # (T,), ascending
-        self.padded = np.concatenate([self.corpus, np.full(MAX_MATCH + MAX_DEPTH, END, dtype=np.int32)])
 
     def __len__(self) -> int:
         """Tokens held (document ends not counted)."""
-        return len(self.corpus) - len(self.starts)
+        return self.size
 
     def occurrences(self, pattern: np.ndarray) -> np.ndarray:
         """Positions where `pattern` occurs followed by at least one more token of its document."""
         lo, hi = np.searchsorted(self.heads, pattern[0], "left"), np.searchsorted(self.heads, pattern[0], "right")
         for k in range(1, len(pattern)):  # suffixes sharing pattern[:k] are sorted by their token k
-            column = self.padded[self.order[lo:hi] + k]
+            column = self.corpus[self.order[lo:hi] + k]
             lo, hi = lo + np.searchsorted(column, pattern[k], "left"), lo + np.searchsorted(column, pattern[k], "right")
             if lo == hi:
                 break
         found = self.order[lo:hi]
-        return found[self.padded[found + len(pattern)] != END]
+        return found[self.corpus[found + len(pattern)] != END]
 
     def longest_match(self, tokens: np.ndarray) -> tuple[int, np.ndarray]:
         """The longest suffix of `tokens` (at most MAX_MATCH) that occurs here with a token after
@@ -92,13 +97,13 @@ class SuffixIndex:
 
     def continuation(self, start: int, depth: int) -> np.ndarray:
         """Up to `depth` tokens from `start`, to the end of their document."""
-        run = self.padded[start: start + depth]
+        run = self.corpus[start: start + depth]
         ends = np.flatnonzero(run == END)
         return run[: ends[0]] if len(ends) else run
 
-    def document_of(self, positions: np.ndarray) -> np.ndarray:
-        """Which document (index into the documents given) each position lies in."""
-        return np.searchsorted(self.starts, positions, "right") - 1
+    def documents_at(self, positions: np.ndarray) -> set[int]:
+        """The ids of the documents these positions lie in."""
+        return set(self.ids[np.searchsorted(self.starts, positions, "right") - 1].tolist())
 
 
 def live_match(tokens: np.ndarray) -> tuple[int, np.ndarray]:
@@ -169,22 +174,21 @@ def depth_for(matched: int, max_len: int) -> int:
 
 
 class SuffixProposer(Proposer):
-    """Suffix decoding over the current conversation and an index of earlier text.
+    """Suffix decoding over the current conversation and indexes of earlier text.
 
-    `remember(tokens)` is called with each finished conversation (prompt and answer); it returns
-    the index to search from then on (None: keep the one in hand).
+    `remember(tokens, offered)` is called with each finished conversation (prompt and answer) and
+    the ids of the documents guesses were offered from since the last one; it returns the indexes
+    to search from then on (None: keep those in hand).
     """
 
     name = "suffix"
     builds_trees = True
 
-    def __init__(self, index: SuffixIndex | None = None,
-                 remember: Callable[[list[int], set[int]], SuffixIndex | None] | None = None) -> None:
-        self.index = index if index is not None and len(index) else None
+    def __init__(self, indexes: Sequence[SuffixIndex] = (),
+                 remember: Callable[[list[int], set[int]], list[SuffixIndex] | None] | None = None) -> None:
+        self.indexes = [index for index in indexes if len(index)]
         self.remember = remember
-        self.used: set[int] = set()
-        """Documents of the index whose text was offered since the last `finished` (kept longest
-        when the history must shrink)."""
+        self.offered: set[int] = set()
 
     def propose(self, tokens, max_len, sampling, generator, rules=None) -> Draft:
         if max_len <= 0 or len(tokens) < 2:
@@ -192,23 +196,25 @@ class SuffixProposer(Proposer):
         seq = np.asarray(tokens, dtype=np.int64)
         matched, starts = live_match(seq)
         depth = depth_for(matched, max_len)
-        best = frequency_tree([seq[s: s + depth] for s in starts[-MAX_OCCURRENCES:]], max_len,
+        best = frequency_tree([seq[s: s + depth] for s in starts[-MAX_OCCURRENCES:][::-1]], max_len,
                               f"prompt-{min(matched, LABEL_MATCH_CAP)}")
-        if self.index is not None:
-            matched, starts = self.index.longest_match(seq)
-            recent = np.sort(starts)[-MAX_OCCURRENCES:]
+        best_score, source = expected_accepted(best), None
+        for index in self.indexes:
+            matched, starts = index.longest_match(seq)
+            recent = np.sort(starts)[-MAX_OCCURRENCES:][::-1]  # the most recent first: it wins a tie
             depth = depth_for(matched, max_len)
-            earlier = frequency_tree([self.index.continuation(s, depth) for s in recent], max_len,
+            earlier = frequency_tree([index.continuation(s, depth) for s in recent], max_len,
                                      f"history-{min(matched, LABEL_MATCH_CAP)}", history=True)
-            if expected_accepted(earlier) > expected_accepted(best):
-                best = earlier
-                self.used.update(self.index.document_of(recent).tolist())
+            if (score := expected_accepted(earlier)) > best_score:
+                best, best_score, source = earlier, score, (index, recent)
+        if source is not None:
+            self.offered |= source[0].documents_at(source[1])
         return best
 
     def finished(self, tokens: list[int]) -> None:
         if self.remember is None:
             return
-        used, self.used = self.used, set()
-        index = self.remember(tokens, used)
-        if index is not None:
-            self.index = index if len(index) else None
+        offered, self.offered = self.offered, set()
+        indexes = self.remember(tokens, offered)
+        if indexes is not None:
+            self.indexes = [index for index in indexes if len(index)]
