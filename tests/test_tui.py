@@ -41,7 +41,7 @@ def anyio_backend():
     return "asyncio"  # Textual runs on asyncio
 
 
-MODEL = "smollm2-135m"  # no registered draft: the proposers offered are ngram and none
+MODEL = "smollm2-135m"  # no registered draft: the proposers offered are suffix, ngram and none
 SETTINGS = ChatSettings(model=MODEL)
 
 
@@ -272,16 +272,16 @@ async def test_switch_proposer_between_turns(tmp_path):
     app = make_app(tmp_path)
     async with app.run_test(size=(150, 45)) as pilot:
         await settle(pilot)
-        assert app.loaded.proposer == "ngram"  # auto for a model without a draft
+        assert app.loaded.proposer == "ngram"  # the fake engine's auto
         await pilot.press("ctrl+r")
         await settle(pilot)
         assert app.loaded.proposer == "none" and app.settings.spec.proposer == "none"
         await ask(pilot)
         await settle(pilot)
         assert answer_views(app)[0].message.stats["drafted"] == 0
-        await pilot.press("ctrl+r")
+        await pilot.press("ctrl+r")  # round to the first the catalog offers
         await settle(pilot)
-        assert app.loaded.proposer == "ngram"
+        assert app.loaded.proposer == "suffix"
 
 
 async def test_settings_screen_changes_draft_length_and_rejects_bad_values(tmp_path):

@@ -136,7 +136,7 @@ def run_bench(args, spec: SpecConfig) -> int:
     prompts = load_prompts(args.prompts)
     if args.max_new_tokens < 1:
         raise LocalspecError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
-    wanted = [p.strip() for p in args.proposers.split(",") if p.strip()]
+    wanted = [p.strip() for p in (args.proposers or ",".join(reversed(proposer_catalog.KINDS))).split(",") if p.strip()]
     for name in wanted:
         if name not in proposer_catalog.KINDS:
             raise LocalspecError(f"--proposers: unknown proposer {name!r} ({', '.join(proposer_catalog.KINDS)})")

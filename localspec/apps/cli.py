@@ -101,8 +101,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="compare proposers and transformers' generate on a prompt set")
     _add_model_options(bench)
-    bench.add_argument("--proposers", default=",".join(reversed(proposer_catalog.KINDS)),
-                       help="comma-separated proposers to run (those that cannot run for the model are skipped)")
+    bench.add_argument("--proposers", default=None, help="comma-separated proposers to run (those that cannot run "
+                       f"for the model are skipped; default: {','.join(reversed(proposer_catalog.KINDS))}; "
+                       "with --trace: none,auto and these)")
+    bench.add_argument("--trace", default=None, metavar="FILE", help="replay a session instead: a JSON list of "
+                       "conversations (user turns) streamed through the OpenAI API, history resent each turn")
     bench.add_argument("--prompts", default=None, help="JSON file: a list of {name, prompt} objects")
     bench.add_argument("--max-new-tokens", type=int, default=128)
     bench.add_argument("--no-hf", action="store_true", help="skip transformers' own generate modes")
@@ -380,6 +383,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from localspec.apps.perplexity import run_perplexity
 
         return run_perplexity(args, load_registry().get(args.model))
+    if args.trace:
+        from localspec.apps.trace_bench import run_trace
+
+        return run_trace(args, spec_from(args, "auto"))
     from localspec.apps.bench import run_bench
 
     return run_bench(args, spec_from(args, "auto"))
