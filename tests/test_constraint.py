@@ -23,7 +23,7 @@ from localspec.base.errors import LocalspecError
 from localspec.core import constraint as constraint_module
 from localspec.core.constraint import Constraint, json_grammar
 from localspec.core.engine import Engine
-from localspec.core.proposers import DraftModelProposer, NgramProposer
+from localspec.core.proposers import DraftModelProposer, NgramProposer, Proposer
 from localspec.core.proposers.eagle import EagleProposer
 from localspec.core.sampling import probs_from_logits
 from localspec.core.tree import Draft
@@ -139,6 +139,27 @@ def test_the_grammar_ends_the_answer_without_another_pass():
     assert engine.stats.stop_reason == "grammar"
     # the answer after the closing brace needs nothing more: the last pass's own token closed it
     assert TOKENIZER.encode(text)[-1] == TOKENIZER.encode("}")[0]
+
+
+class NoGuesses(Proposer):
+    """A proposer that never guesses: whatever a pass verifies beyond its own token is forced."""
+
+    name = "silent"
+
+    def propose(self, tokens, max_len, sampling, generator, rules=None) -> Draft:
+        return Draft.chain([])
+
+
+def test_the_tokens_a_grammar_forces_are_free_guesses_and_plain_decoding_stays_one_a_pass(arch):
+    schema, grammar = GRAMMARS["compact schema"]
+    target = tiny_model(arch, seed=0)
+    expected = constrained_greedy(target, PROMPT, NEW_TOKENS, grammar)
+    engine = Engine(target, TOKENIZER, NoGuesses(), SpecConfig(draft_len=4))
+    assert answer(engine, PROMPT, NEW_TOKENS, grammar) == expected
+    # the keys and punctuation of the schema ('{"name":"', '","tags":[', ...) came as guesses
+    assert engine.stats.accepted >= 8 and engine.stats.passes < len(expected)
+    plain = Engine(target, TOKENIZER, None)
+    assert answer(plain, PROMPT, NEW_TOKENS, grammar) == expected and plain.stats.drafted == 0
 
 
 def test_prune_cuts_forbidden_guesses_and_their_branches_and_keeps_sampled_ones_as_leaves():

@@ -14,7 +14,7 @@ from localspec.core.engine import Engine
 from localspec.core.proposers.suffix import (
     MAX_MATCH, MIN_PATH_PROBABILITY, SuffixIndex, SuffixProposer, expected_accepted, frequency_tree, live_match,
 )
-from localspec.core.tree import Draft
+from localspec.core.tree import path_probabilities
 from localspec.store import token_history
 from localspec.store.token_history import HISTORY_TOKENS, TokenHistory, forget
 from test_lossless_sampling import VOCAB as SMALL_VOCAB, chi2, chi2_limit, exact_pairs
@@ -89,9 +89,7 @@ def test_the_tree_counts_what_followed_and_offers_it_best_first():
     assert draft.tokens[:3] == [5, 6, 7]
     assert draft.parents[:3] == [-1, 0, 1]
     assert draft.confidences[:3] == pytest.approx([0.8, 0.75, 2 / 3])
-    reach = []
-    for confidence, parent in zip(draft.confidences, draft.parents):
-        reach.append(confidence * (reach[parent] if parent >= 0 else 1.0))
+    reach = path_probabilities(draft)
     assert reach == sorted(reach, reverse=True) and min(reach) >= MIN_PATH_PROBABILITY
     assert expected_accepted(draft) == pytest.approx(sum(reach))
     assert sorted(draft.tokens) == [1, 5, 6, 7, 8, 9]

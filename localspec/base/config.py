@@ -72,8 +72,8 @@ class SpecConfig:
     context: tuple[str, ...] = ()
     """Files and folders whose text suffix decoding also guesses from (`--context`), for the session."""
     lookup: bool = True
-    """Model proposers (draft, EAGLE) also offer prompt lookup's guess in the same verify pass, and
-    skip their own drafting when the lookup alone is expected to pay more. Output is unchanged."""
+    """Model proposers (draft, EAGLE) also offer suffix decoding's likeliest guess in the same verify
+    pass, and skip their own drafting when the lookup alone is expected to pay more. Output is unchanged."""
     quant: str = "auto"
     """auto | none | int8 | int4 | w8a8 | w4a8 | nf4: the target's weights. Output is exact relative
     to the target as loaded; auto takes w4a8 for a 4-bit published model on an x86 CPU that builds

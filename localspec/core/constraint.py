@@ -4,6 +4,8 @@ tokens after any prefix, consumes and rolls back tokens); it is imported only wh
 built, so a run without one never loads it.
 
 The contract, per target pass (`Engine._speculative_step`):
+- `Constraint.with_forced(draft, room)` grafts the tokens the grammar forces next onto a
+  proposer's draft as one more fixed branch (nothing for plain decoding, which stays one token a pass);
 - `Constraint.prune(draft, greedy)` walks the draft from the committed state (consume a node,
   read the allowed tokens after it, descend, roll back) and returns the draft without the nodes
   the grammar forbids (the branch below each goes too), with the allowed tokens at every verify
@@ -33,7 +35,7 @@ import numpy as np
 import torch
 
 from localspec.base.errors import LocalspecError
-from localspec.core.tree import Draft
+from localspec.core.tree import Draft, graft
 
 ANY_OBJECT = {"type": "object"}
 """`response_format: json_object`: any JSON object."""
@@ -89,6 +91,13 @@ class Constraint:
         """The grammar is complete and allows nothing but the end."""
         return self.matcher.is_stopped()
 
+    def with_forced(self, draft: Draft, room: int) -> Draft:
+        """`draft` and, as one more branch from the root, the tokens the grammar forces next (a
+        schema's keys and punctuation), within `room` nodes: free guesses, which the target's
+        constrained distribution accepts unless it spells the same text with other tokens."""
+        forced = self.matcher.compute_ff_tokens()[: max(room - len(draft), 0)]
+        return graft(draft, forced) if forced else draft
+
     def prune(self, draft: Draft, greedy: bool) -> tuple[Draft, torch.Tensor]:
         """The draft without the nodes the grammar forbids (`greedy`: every one; sampling: the
         fixed guesses, a sampled node stays as a leaf, see the module's docstring), and the allowed
@@ -127,7 +136,7 @@ class Constraint:
         index = {node: i for i, node in enumerate(order)}
         pruned = Draft([draft.tokens[n] for n in order], [index.get(draft.parents[n], -1) for n in order],
                        [draft.probs[n] for n in order], draft.label,
-                       [draft.confidences[n] for n in order] if draft.confidences else [], draft.steps)
+                       [draft.confidences[n] for n in order] if draft.confidences else [], draft.steps, draft.history)
         rows = words[[0] + [n + 1 for n in order]]  # (N'+1, W)
         # a word's bytes lowest first (little-endian, as every machine torch runs on), each byte's bits lowest first
         bits = np.unpackbits(rows.view(np.uint8), axis=1, count=self.vocab, bitorder="little")  # (N'+1, V) uint8

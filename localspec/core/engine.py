@@ -20,7 +20,8 @@ it. `echo` adds the prompt's own tokens; scored, they need every prompt row's lo
 prefill otherwise skips (`_prefill`'s `scored`).
 
 Structured output, only when a generation asks for it (`grammar`): a `core.constraint.Constraint`
-cuts the guesses its grammar forbids before the pass and masks the pass's logits before the
+adds the tokens its grammar forces to a proposer's guesses, cuts the ones it forbids before the
+pass and masks the pass's logits before the
 acceptance rule (so log-probabilities are those of the distribution the grammar leaves); after the
 commit it advances by the committed tokens, and a complete grammar ends the answer.
 """
@@ -194,9 +195,13 @@ class Engine:
         if self.costs is not None:
             self.costs.context = past  # the costs that size this pass's draft are read here
         # 1. plan: the policy decides lookup or model and the draft's size; the pass's own token needs room too
+        limit = min(room - 1, self.max_nodes)
         proposal = self._guarded(self.policy.plan, Proposal(Draft.chain([])), self.proposer, self.lookup, tokens,
-                                 min(room - 1, self.max_nodes), sampling, generator)
-        draft, allowed = constraint.prune(proposal.draft, sampling.greedy) if constraint else (proposal.draft, None)  # allowed (N+1, V) bool
+                                 limit, sampling, generator)
+        draft, allowed = proposal.draft, None
+        if constraint is not None:  # the grammar's forced tokens join a proposer's guesses; forbidden ones go
+            forced = constraint.with_forced(draft, limit) if self.proposer is not None else draft
+            draft, allowed = constraint.prune(forced, sampling.greedy)  # allowed (N+1, V) bool
         drafted = self.clock()
         # 2. one target pass over [root] + draft; out of memory: half the nodes, now and from then on
         while True:

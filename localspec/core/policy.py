@@ -31,7 +31,7 @@ import torch
 from localspec.base.config import SamplingConfig, SpecConfig
 from localspec.core.proposers.base import Proposer
 from localspec.core.stats import chain_tokens, predicted_speedup
-from localspec.core.tree import Draft, graft, matched_path
+from localspec.core.tree import Draft, graft, matched_path, path_probabilities
 from localspec.runtime.costs import CostModel
 from localspec.runtime.kv import common_prefix
 
@@ -156,15 +156,6 @@ def deeper_pays(costs: CostModel, reach: list[float], nodes: int, frontier: list
     now = expected_rate(costs, tokens, nodes, depth * step_seconds)
     deeper = expected_rate(costs, tokens + sum(frontier), min(nodes + len(frontier), limit), (depth + 1) * step_seconds)
     return deeper > now
-
-
-def path_probabilities(tree: Draft) -> list[float]:
-    """Each node's probability of being reached, by the drafter's own confidences: the product
-    along its path from the root."""
-    reach: list[float] = []
-    for confidence, parent in zip(tree.confidences, tree.parents):
-        reach.append(confidence * (reach[parent] if parent >= 0 else 1.0))
-    return reach
 
 
 # -- one engine's policy ---------------------------------------------------------------------------

@@ -84,6 +84,15 @@ class Draft:
         return [i for i, p in enumerate(self.parents) if p == node]
 
 
+def path_probabilities(draft: Draft) -> list[float]:
+    """Each node's probability of being reached, by the proposer's own confidences: the product
+    along its path from the root."""
+    reach: list[float] = []
+    for confidence, parent in zip(draft.confidences, draft.parents):
+        reach.append(confidence * (reach[parent] if parent >= 0 else 1.0))
+    return reach
+
+
 def visible_rows(draft: Draft) -> list[list[int]]:
     """Per row of the pass over root + draft, the rows it sees (root = 0, node i = i + 1),
     ascending: the root, the node's ancestors, itself."""

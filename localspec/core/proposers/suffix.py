@@ -5,14 +5,14 @@ far, scanned each pass) and in a `SuffixIndex` over earlier text (this model's p
 answers on this machine, and files the user named), a suffix array that finds every earlier
 occurrence of the longest matching suffix at once. What followed the most recent occurrences is
 merged into a tree of continuations, each node scored by how often it followed (its parent's
-occurrences that went on with it), best-first; the better of the two trees (by expected accepted
-tokens) is the draft. A longer match is more specific, so a tree may reach `DEPTH_PER_MATCHED`
+occurrences that went on with it), best-first; the best tree (the conversation's or an index's, by
+expected accepted tokens) is the draft. A longer match is more specific, so a tree may reach `DEPTH_PER_MATCHED`
 times as deep as the match is long; the draft policy then cuts it to what the measured costs pay
 for. Every guess is fixed before the target's pass, so the acceptance rule stays exact.
 
 The index is immutable: whoever keeps the history builds a new one when text is added
 (`store/token_history.py`) and hands it over through `remember`. It is built with pydivsufsort
-(libdivsufsort), numpy does every search; no torch.
+(libdivsufsort); numpy does every search.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from localspec.core.proposers.base import Proposer
-from localspec.core.tree import Draft
+from localspec.core.tree import Draft, path_probabilities
 
 END = -1
 """Ends each document in an index: never a token, so no match runs across two documents."""
@@ -163,10 +163,7 @@ def frequency_tree(continuations: list[np.ndarray], max_nodes: int, label: str, 
 
 def expected_accepted(draft: Draft) -> float:
     """A tree's score: the sum of its path probabilities, the tokens it is expected to add."""
-    reach: list[float] = []
-    for confidence, parent in zip(draft.confidences, draft.parents):
-        reach.append(confidence * (reach[parent] if parent >= 0 else 1.0))
-    return sum(reach)
+    return sum(path_probabilities(draft))
 
 
 def depth_for(matched: int, max_len: int) -> int:
