@@ -232,7 +232,7 @@ def test_a_damaged_head_makes_auto_fall_back_and_eagle_fail_in_one_line(monkeypa
         (folder / "config.json").write_text("[]" if damage == "config.json of another shape" else "{")
     registry = load_registry()
     opened = session_module.open_session("smollm2-135m", "auto", "float32", registry=registry)
-    assert opened.proposer == "ngram" and "the EAGLE head here cannot be loaded" in opened.reason
+    assert opened.proposer == "suffix" and "the EAGLE head here cannot be loaded" in opened.reason
     with pytest.raises(LocalspecError) as err:
         session_module.open_session("smollm2-135m", "eagle", "float32", registry=registry)
     assert str(folder) in str(err.value) and "\n" not in str(err.value)
@@ -280,7 +280,7 @@ def test_a_draft_out_of_cpu_memory_is_retried_without_it_after_the_first_load_is
     monkeypatch.setattr(session_module, "load_models", load_models)
     monkeypatch.setattr(session_module, "costs_for", lambda target, draft, widths=None: CostModel({1: 0.1, 16: 0.2}))
     opened = session_module.open_session("qwen2.5-coder-1.5b", "draft", "float32", registry=load_registry())
-    assert opened.proposer == "ngram" and "can't allocate memory" in opened.reason
+    assert opened.proposer == "suffix" and "can't allocate memory" in opened.reason
 
 
 # -- two processes ------------------------------------------------------------------------------

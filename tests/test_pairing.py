@@ -195,7 +195,7 @@ def test_the_wizard_measures_every_candidate_and_saves_the_winner(home, monkeypa
     best, lines = run()
 
     assert pulled == ["qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"]
-    assert measured(lines) == ["none", "ngram", "draft:qwen2.5-coder-0.5b"]
+    assert measured(lines) == ["none", "ngram", "suffix", "draft:qwen2.5-coder-0.5b"]
     assert any(line.startswith("eagle: no EAGLE head for qwen2.5-coder-1.5b") for line in lines)  # said, not silent
     assert list(decoded) == measured(lines) and all(len(runs) == 2 for runs in decoded.values())  # two prompts each
     speeds = {key: sum(t for t, _ in runs) / sum(s for _, s in runs) for key, runs in decoded.items()}
@@ -205,7 +205,7 @@ def test_the_wizard_measures_every_candidate_and_saves_the_winner(home, monkeypa
     assert saved.tokens_per_second == pytest.approx(speeds[winner], abs=1e-3)
     assert saved.speedup == pytest.approx(speeds[winner] / speeds["none"], abs=1e-3)
     assert (best.proposer, best.draft, best.draft_len) == (saved.proposer, saved.draft, saved.draft_len)
-    assert set(history.load_history("qwen2.5-coder-1.5b")) <= {"none", "ngram", "draft:qwen2.5-coder-0.5b"}
+    assert set(history.load_history("qwen2.5-coder-1.5b")) <= {"none", "ngram", "suffix", "draft:qwen2.5-coder-0.5b"}
 
 
 def test_the_wizard_measures_every_proposer_in_the_catalog_with_a_head_trained_here(home, monkeypatch):
@@ -218,7 +218,7 @@ def test_the_wizard_measures_every_proposer_in_the_catalog_with_a_head_trained_h
     save_head(random_head(target_model, version=1), eagle_head_dir("qwen2.5-coder-1.5b"))
     best, lines = run()
 
-    assert measured(lines) == ["none", "ngram", "eagle", "draft:qwen2.5-coder-0.5b"]
+    assert measured(lines) == ["none", "ngram", "suffix", "eagle", "draft:qwen2.5-coder-0.5b"]
     assert {name.split(":")[0] for name in measured(lines)} == set(proposer_catalog.KINDS)
     eagle = next(line for line in lines if line.split()[0] == "eagle")
     assert "acceptance" in eagle and " 0.00 tok/s" not in eagle

@@ -68,7 +68,10 @@ def test_every_proposer_can_be_chosen_on_the_command_line(command, name):
 
 
 def test_bench_runs_every_proposer_by_default():
-    assert set(build_parser().parse_args(["bench"]).proposers.split(",")) == set(KINDS)
+    from localspec.apps.bench import requested_proposers
+
+    assert set(requested_proposers(build_parser().parse_args(["bench"]).proposers)) == set(KINDS)
+    assert requested_proposers("none, suffix") == ["none", "suffix"]
 
 
 @pytest.fixture

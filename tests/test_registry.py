@@ -176,16 +176,18 @@ SLOW = Measured(tokens=1000, speedup=0.8, acceptance=0.3)
         ("big", ALL, 100 * GB, {}, ("draft", "small"), "same tokenizer", "same tokenizer, fits"),
         # unknown facts exclude nothing
         ("big", None, None, None, ("draft", "small"), "same tokenizer", "same tokenizer, fits"),
-        ("big", {"big"}, 100 * GB, {}, ("ngram", None), "draft small is not downloaded", "draft small not downloaded"),
-        ("big", ALL, 15 * GB, {}, ("ngram", None), "draft small does not fit beside the target",
+        ("big", {"big"}, 100 * GB, {}, ("suffix", None), "draft small is not downloaded", "draft small not downloaded"),
+        ("big", ALL, 15 * GB, {}, ("suffix", None), "draft small does not fit beside the target",
          "draft small does not fit in memory"),
-        ("big", ALL, 100 * GB, {"draft:small": SLOW}, ("ngram", None), "draft small measured 0.80x plain",
+        ("big", ALL, 100 * GB, {"draft:small": SLOW}, ("suffix", None), "draft small measured 0.80x plain",
          "draft small measured 0.80x plain"),
         ("big", ALL, 100 * GB, {"draft:small": Measured(50, 0.5, 0.1)}, ("draft", "small"), "same tokenizer",
          "same tokenizer, fits"),
-        ("big", ALL, 100 * GB, {"draft:small": SLOW, "ngram": SLOW}, ("none", None), "prompt lookup measured 0.80x",
-         "prompt lookup measured 0.80x plain"),
-        ("lonely", ALL, 100 * GB, {}, ("ngram", None), "no registered draft", "no draft registered"),
+        ("big", ALL, 100 * GB, {"draft:small": SLOW, "suffix": SLOW}, ("ngram", None), "suffix decoding measured 0.80x",
+         "suffix decoding measured 0.80x plain"),
+        ("big", ALL, 100 * GB, {"draft:small": SLOW, "suffix": SLOW, "ngram": SLOW}, ("none", None),
+         "prompt lookup measured 0.80x", "prompt lookup measured 0.80x plain"),
+        ("lonely", ALL, 100 * GB, {}, ("suffix", None), "no registered draft", "no draft registered"),
     ],
 )
 def test_auto_choice_table(tmp_path, model, downloaded, memory, history, expected, why, short):
@@ -228,7 +230,7 @@ def test_a_saved_pairing_wins_while_it_is_usable(tmp_path):
     assert choice.reason.short == "won localspec pair here, 1.60x plain"
     # once its draft is gone the order applies again
     choice = rank_proposers("auto", reg.get("big"), reg, downloaded={"big"}, memory=100 * GB, history={})[0]
-    assert choice.proposer == "ngram"
+    assert choice.proposer == "suffix"
 
 
 def test_explicit_proposers(tmp_path):
@@ -237,6 +239,6 @@ def test_explicit_proposers(tmp_path):
     asked, fallback = rank_proposers("draft", reg.get("big"))
     assert (asked.proposer, asked.reason, asked.draft) == ("draft", "--proposer draft was asked for", "small")
     assert asked.reason.short == "asked for"
-    assert (fallback.proposer, fallback.draft) == ("ngram", None)  # for a draft that does not fit in memory
+    assert (fallback.proposer, fallback.draft) == ("suffix", None)  # for a draft that does not fit in memory
     with pytest.raises(LocalspecError, match="lonely has no registered draft model; try --proposer ngram"):
         rank_proposers("draft", reg.get("lonely"))

@@ -130,13 +130,18 @@ def run_hf(mode: str, target, draft, ids: list[int], max_new: int, eos: set[int]
     return {"tokens": len(new), "seconds": seconds, "tokens_per_second": len(new) / seconds, "output_ids": new}
 
 
+def requested_proposers(listed: str | None) -> list[str]:
+    """`--proposers` as names; not given: every proposer in the catalog, plain decoding first."""
+    return [p.strip() for p in (listed or ",".join(reversed(proposer_catalog.KINDS))).split(",") if p.strip()]
+
+
 def run_bench(args, spec: SpecConfig) -> int:
     registry = load_registry()
     entry = registry.get(args.model)
     prompts = load_prompts(args.prompts)
     if args.max_new_tokens < 1:
         raise LocalspecError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
-    wanted = [p.strip() for p in (args.proposers or ",".join(reversed(proposer_catalog.KINDS))).split(",") if p.strip()]
+    wanted = requested_proposers(args.proposers)
     for name in wanted:
         if name not in proposer_catalog.KINDS:
             raise LocalspecError(f"--proposers: unknown proposer {name!r} ({', '.join(proposer_catalog.KINDS)})")

@@ -183,9 +183,9 @@ def localspec_modes(entry, registry, spec: SpecConfig, dtype: str, modes: list[s
         "auto" in modes and any(c.draft for c in ranked))
     draft_entry = draft_entry_for(registry, entry) if needs_draft and entry.drafts else None
     target, draft, dtype_reason = load_models(entry, draft_entry, "draft" if draft_entry else "suffix", dtype, spec, quiet=False)
-    auto = next(c.proposer for c in ranked
-                if not (proposer_catalog.kind(c.proposer).draft_model and (draft is None or not draft_pays(costs_for(target, draft), spec.max_draft_len)))
-                and (not proposer_catalog.kind(c.proposer).head or proposer_catalog.unavailable(c.proposer, entry) is None))
+    # what `--proposer auto` opens on these weights: the first ranked, a draft only where its measured step pays
+    auto = next(c.proposer for c in ranked if not proposer_catalog.kind(c.proposer).draft_model
+                or (draft is not None and draft_pays(costs_for(target, draft), spec.max_draft_len)))
     results: dict[str, list[dict]] = {}
     for mode in modes:
         proposer = auto if mode == "auto" else mode

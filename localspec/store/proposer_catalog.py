@@ -231,7 +231,7 @@ def rank_proposers(
     in memory or, under auto, one whose measured step cannot pay).
 
     An explicit proposer that cannot run for this target is a one-line error; asked for, it is
-    the one candidate, except that a draft model gives way to prompt lookup when it does not fit
+    the one candidate, except that a draft model gives way to suffix decoding when it does not fit
     in memory. For auto the order is EAGLE head > draft model > suffix decoding > n-gram > none. A proposer is left
     out when it is not downloaded, does not fit in `memory` (bytes free for weights and caches)
     beside the target, or was measured slower than plain decoding on this machine (`history`,
@@ -246,7 +246,7 @@ def rank_proposers(
             raise LocalspecError(f"{why_not}; try --proposer ngram")
         asked = Candidate(requested, Reason(f"--proposer {requested} was asked for", "asked for"),
                           registered_draft(entry) if kind(requested).draft_model else None)
-        return [asked, Candidate("ngram", PROMPT_LOOKUP)] if asked.draft else [asked]
+        return [asked, Candidate("suffix", SUFFIX_DECODING)] if asked.draft else [asked]
 
     def have(name: str) -> bool:
         return downloaded is None or name in downloaded
@@ -315,17 +315,14 @@ def rank_proposers(
     if not entry.drafts:
         skipped.append(Reason("no registered draft", "no draft registered"))
 
-    measured = slow("suffix")
-    if measured is None:
-        rank("suffix", SUFFIX_DECODING)
-    else:
-        skipped.append(Reason(f"suffix decoding measured {measured.speedup:.2f}x plain here",
-                              f"suffix decoding measured {measured.speedup:.2f}x plain"))
-    measured = slow("ngram")
-    if measured is None:
-        rank("ngram", PROMPT_LOOKUP)
-    else:
-        skipped.append(Reason(f"prompt lookup measured {measured.speedup:.2f}x plain here",
-                              f"prompt lookup measured {measured.speedup:.2f}x plain"))
+    for lookup, about in (("suffix", SUFFIX_DECODING), ("ngram", PROMPT_LOOKUP)):  # they need nothing beside the target
+        measured = slow(lookup)
+        if measured is None:
+            rank(lookup, about)
+        else:
+            title = KINDS[lookup].title
+            skipped.append(Reason(f"{title} measured {measured.speedup:.2f}x plain here",
+                                  f"{title} measured {measured.speedup:.2f}x plain"))
+    if slow("ngram"):  # the last lookup: plain decoding is the one left
         rank("none", Reason("plain decoding", "plain decoding"))
     return ranked
