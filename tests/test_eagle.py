@@ -166,7 +166,7 @@ def test_a_head_trained_here_for_smollm2_drafts_two_tokens_per_pass(tmp_path):
     from localspec.store.registry import load_registry
 
     loaded = load_model(load_registry().get("smollm2-135m"), torch.float32, progress=False)
-    # the test-sized budget: 128 greedy answers of up to 160 tokens, 6 epochs (~7 min on 2 cores)
+    # the test-sized budget: 128 greedy answers of up to 160 tokens, 6 epochs (about 7 min on 2 AVX2 cores)
     settings = TrainSettings(max_tokens=0, self_distill=128, epochs=6)
     summary = train_eagle(loaded, tmp_path, None, settings, quiet=True)
     assert summary["steps"] > 0

@@ -254,10 +254,12 @@ def test_the_chat_opens_on_a_resident_engine_running_its_model_and_streams_from_
         assert len(local_opens) == 1
 
 
-def test_the_engine_is_started_with_the_commands_own_options():
+def test_the_engine_is_started_with_the_commands_own_options(tmp_path):
+    (tmp_path / "a.py").write_text("x = 1\n")
+    (tmp_path / "docs").mkdir()
     spec = SpecConfig(proposer="draft", draft_len=4, max_draft_len=9, ngram_min=2, ngram_max=5, draft_quant="int8",
                       tree_top_k=3, tree_nodes=20, tree_depth=4, lookup=False, quant="w8a8", history=False,
-                      context=("/somewhere/a.py", "/somewhere/docs"))
+                      context=(str((tmp_path / "a.py").resolve()), str((tmp_path / "docs").resolve())))
     for each in (spec, SpecConfig()):
         args = build_parser().parse_args(["serve", *serve_args(each)])
         assert spec_from(args, args.proposer) == each

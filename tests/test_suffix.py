@@ -252,3 +252,18 @@ def test_context_files_are_read_and_binaries_and_hidden_files_passed_over(tmp_pa
         token_history.context_documents([str(tmp_path / "missing")], list)
     with pytest.raises(LocalspecError, match="not a text file"):
         token_history.context_documents([str(tmp_path / "src" / "blob.bin")], list)
+
+
+def test_forget_and_context_from_the_command_line(tmp_path, monkeypatch, capsys):
+    from localspec.apps.cli import main
+
+    monkeypatch.setenv("LOCALSPEC_HOME", str(tmp_path))
+    TokenHistory("smollm2-135m").remember([1, 2, 3], set())
+    TokenHistory("qwen2.5-coder-1.5b").remember([4, 5], set())
+    assert main(["forget", "--model", "smollm2-135m"]) == 0
+    assert "1 file removed" in capsys.readouterr().out
+    assert not token_history.history_file("smollm2-135m").exists() and token_history.history_file("qwen2.5-coder-1.5b").exists()
+    assert main(["forget"]) == 0 and not token_history.history_file("qwen2.5-coder-1.5b").exists()
+    # a missing --context path is refused before any model loads
+    assert main(["run", "hi", "--context", str(tmp_path / "missing.py"), "--no-daemon"]) != 0
+    assert "--context" in capsys.readouterr().err and not (tmp_path / "models").exists()

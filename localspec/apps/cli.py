@@ -184,6 +184,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def spec_from(args: argparse.Namespace, proposer: str) -> SpecConfig:
+    missing = [path for path in getattr(args, "context_paths", ()) if not Path(path).expanduser().exists()]
+    if missing:  # before any model loads
+        raise LocalspecError(f"--context: {missing[0]} does not exist")
     return SpecConfig(
         proposer=proposer, draft_len=args.draft_len, max_draft_len=args.max_draft_len,
         ngram_min=args.ngram_min, ngram_max=args.ngram_max, draft_quant=args.draft_quant,

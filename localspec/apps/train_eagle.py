@@ -146,6 +146,23 @@ def _imperative(doc: str) -> str:
     return f"{word} {rest}".strip()
 
 
+ANSWER_BATCH = 32
+"""Answers generated together: on a CPU, 32 answers of smollm2-135m took half the time in one batch
+that they took in batches of 8 (the step's fixed cost is paid once for more rows)."""
+
+
+def answer_batch(target, width: int, device: torch.device) -> int:
+    """ANSWER_BATCH, or fewer where their caches (every layer's keys and values over `width`
+    positions, float32) would take more than a quarter of the free memory."""
+    from localspec.store.machine import free_memory
+
+    config = target.config
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    per_answer = config.num_hidden_layers * 2 * heads * head_dim * 4 * width
+    return max(1, min(ANSWER_BATCH, free_memory(device) // 4 // max(per_answer, 1)))
+
+
 @torch.inference_mode()
 def self_distilled(target, tokenizer, prompts: list[str], settings: TrainSettings, store: Path, progress) -> list[tuple[list[int], int]]:
     """(prompt + the target's own greedy answer, prompt length) per prompt; answers already in
@@ -159,7 +176,7 @@ def self_distilled(target, tokenizer, prompts: list[str], settings: TrainSetting
             lengths[record["prompt"]] = record.get("prompt_len", 0)
     todo = [p for p in prompts if p not in done]
     device = next(target.parameters()).device
-    batch = 8
+    batch = answer_batch(target, max((len(chat_ids(tokenizer, p)) for p in todo), default=0) + settings.answer_tokens, device)
     bar = progress(total=len(prompts), initial=len(prompts) - len(todo), desc="target answers", unit="answer")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     with store.open("a", encoding="utf-8") as out:
