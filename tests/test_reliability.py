@@ -104,7 +104,7 @@ def test_speed_guard_leaves_a_fast_proposer_alone():
     assert guard.allows
 
 
-def test_draft_that_does_not_fit_in_memory_falls_back_to_prompt_lookup(monkeypatch, capsys):
+def test_draft_that_does_not_fit_in_memory_falls_back_to_suffix_decoding(monkeypatch, capsys):
     from localspec.store.registry import load_registry
 
     registry = load_registry()
@@ -121,7 +121,7 @@ def test_draft_that_does_not_fit_in_memory_falls_back_to_prompt_lookup(monkeypat
     monkeypatch.setattr(session_module, "load_models", load_models)
     monkeypatch.setattr(session_module, "costs_for", lambda target, draft, widths=None: CostModel({1: 0.1, 16: 0.2}))
     opened = session_module.open_session("qwen2.5-coder-1.5b", "draft", "float32", registry=registry)
-    assert opened.proposer == "ngram" and "did not fit in memory" in opened.reason
+    assert opened.proposer == "suffix" and "did not fit in memory" in opened.reason
     assert calls[0] is not None and calls[1] is None
     assert "did not fit in memory" in capsys.readouterr().err
 
