@@ -239,6 +239,9 @@ def test_a_damaged_history_is_set_aside_with_one_notice(tmp_path, monkeypatch):
         said.clear()
     np.savez(open(path, "wb"), tokens=np.array([1, 2], dtype=np.int32), lengths=np.array([5]), ids=np.array([0]), used=np.array([0.0]))
     assert [len(i) for i in TokenHistory("tiny", notify=said.append).indexes()] == [0] and len(said) == 1  # parts that disagree
+    # forgetting every model's history also takes a file set aside as damaged with nothing beside it
+    assert not path.exists() and forget() == [path.with_name(path.name + ".damaged")]
+    assert [p.name for p in path.parent.glob("*.npz*")] == ["tiny.npz.lock"]  # a lock file stays, empty (base.files.locked)
 
 
 def test_context_files_are_read_and_binaries_and_hidden_files_passed_over(tmp_path):

@@ -97,8 +97,10 @@ class Documents:
         self.ids.append(self.next_id)
         self.next_id += 1
         self.used.append(now)
-        while self.tokens > cap:
+        total = self.tokens
+        while total > cap:
             oldest = int(np.argmin(self.used))
+            total -= len(self.runs[oldest])
             del self.runs[oldest], self.ids[oldest], self.used[oldest]
 
     def touch(self, ids: set[int], now: float) -> None:
@@ -191,7 +193,9 @@ class TokenHistory:
 def forget(model: str | None = None) -> list[Path]:
     """Remove the history of `model` (None: of every model); returns the files removed."""
     folder = history_dir()
-    paths = [history_file(model)] if model else sorted(folder.glob("*.npz")) if folder.is_dir() else []
+    # every model's: those with a file, and those whose only file is one set aside as damaged
+    names = [model] if model else sorted({p.name.split(".npz")[0] for p in folder.glob("*.npz*")}) if folder.is_dir() else []
+    paths = [history_file(name) for name in names]
     removed = []
     for path in paths:
         with locked(path):

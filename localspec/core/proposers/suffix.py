@@ -53,8 +53,6 @@ class SuffixIndex:
     """
 
     def __init__(self, documents: Sequence[Sequence[int]], ids: Sequence[int] | None = None) -> None:
-        from pydivsufsort import divsufsort  # a C library: imported where an index is made
-
         kept = [i for i, doc in enumerate(documents) if len(doc)]
         parts = [np.append(np.asarray(documents[i], dtype=np.int32), END) for i in kept]
         size = sum(len(p) for p in parts)
@@ -62,7 +60,7 @@ class SuffixIndex:
         self.size = size - len(parts)
         self.starts = np.cumsum([0] + [len(p) for p in parts])[:-1]  # (D,): where each document begins
         self.ids = np.asarray([ids[i] for i in kept] if ids is not None else kept, dtype=np.int64)  # (D,)
-        self.order = divsufsort(self.corpus[:size]) if size else np.zeros(0, dtype=np.int32)  # (T,)
+        self.order = suffix_array(self.corpus[:size])  # (T,)
         self.heads = self.corpus[self.order]  # (T,), ascending
 
     def __len__(self) -> int:
@@ -104,6 +102,16 @@ class SuffixIndex:
     def documents_at(self, positions: np.ndarray) -> set[int]:
         """The ids of the documents these positions lie in."""
         return set(self.ids[np.searchsorted(self.starts, positions, "right") - 1].tolist())
+
+
+def suffix_array(tokens: np.ndarray) -> np.ndarray:
+    """Where each suffix of `tokens` starts, in sorted order; the C library is imported only
+    when there is text to index (a first run has no history)."""
+    if not len(tokens):
+        return np.zeros(0, dtype=np.int32)
+    from pydivsufsort import divsufsort
+
+    return divsufsort(tokens)
 
 
 def live_match(tokens: np.ndarray) -> tuple[int, np.ndarray]:
