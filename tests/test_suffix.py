@@ -258,7 +258,7 @@ def test_context_files_are_read_and_binaries_and_hidden_files_passed_over(tmp_pa
 
 
 def test_forget_and_context_from_the_command_line(tmp_path, monkeypatch, capsys):
-    from localspec.apps.cli import main
+    from localspec.apps.cli import build_parser, main, spec_from
 
     monkeypatch.setenv("LOCALSPEC_HOME", str(tmp_path))
     TokenHistory("smollm2-135m").remember([1, 2, 3], set())
@@ -267,6 +267,9 @@ def test_forget_and_context_from_the_command_line(tmp_path, monkeypatch, capsys)
     assert "1 file removed" in capsys.readouterr().out
     assert not token_history.history_file("smollm2-135m").exists() and token_history.history_file("qwen2.5-coder-1.5b").exists()
     assert main(["forget"]) == 0 and not token_history.history_file("qwen2.5-coder-1.5b").exists()
-    # a missing --context path is refused before any model loads
-    assert main(["run", "hi", "--context", str(tmp_path / "missing.py"), "--no-daemon"]) != 0
-    assert "--context" in capsys.readouterr().err and not (tmp_path / "models").exists()
+    # a missing --context path is refused before any model loads, the prompt written after it included
+    assert main(["run", "--context", str(tmp_path / "missing.py"), "hi", "--no-daemon"]) != 0
+    assert "--context: " in capsys.readouterr().err and not (tmp_path / "models").exists()
+    (tmp_path / "a.py").write_text("x = 1\n")
+    args = build_parser().parse_args(["run", "--context", str(tmp_path / "a.py"), "--context", str(tmp_path), "hi"])
+    assert args.prompt == "hi" and spec_from(args, "auto").context == (str((tmp_path / "a.py").resolve()), str(tmp_path.resolve()))

@@ -55,8 +55,9 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
 def _add_history_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-history", action="store_true", help="suffix decoding: neither guess from nor keep this "
                    "model's earlier conversations on this machine (`localspec forget` clears what is kept)")
-    p.add_argument("--context", dest="context_paths", nargs="+", action="extend", default=[], metavar="PATH", help="suffix decoding also "
-                   "guesses from these files (a folder: its text files), for this session")
+    # one path a flag: a list of them would swallow the prompt written after it
+    p.add_argument("--context", dest="context_paths", action="append", default=[], metavar="PATH", help="suffix decoding "
+                   "also guesses from this file (a folder: its text files), for this session (repeatable)")
 
 
 def _add_sampling_options(p: argparse.ArgumentParser) -> None:

@@ -232,8 +232,8 @@ def serve_args(spec: SpecConfig) -> list[str]:
     for flag, value in (("--draft-len", spec.draft_len), ("--tree-nodes", spec.tree_nodes), ("--tree-depth", spec.tree_depth)):
         if value is not None:
             args += [flag, str(value)]
-    if spec.context:
-        args += ["--context", *spec.context]
+    for path in spec.context:
+        args += ["--context", path]
     return args + ([] if spec.lookup else ["--no-lookup"]) + ([] if spec.history else ["--no-history"])
 
 
