@@ -114,6 +114,34 @@ def test_the_tile_unit_computes_what_the_vector_units_compute_bit_for_bit(bits):
 
 @needs_kernel
 @pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("isa", ISAS)
+def test_the_largest_codes_times_the_largest_activations_sum_exactly(isa, bits):
+    """Every code at its top value against activations that all quantize to +127 or -127: the
+    largest integer sums there are. The AVX2 path adds pairs of products in 16 bits before widening
+    them (its bound: 8 pairs of 4-bit codes, 2 of 6-bit ones, only the top bits of byte codes), so
+    a bound off by one pair wraps here and nowhere milder."""
+    n, k = 32, 512
+    top = 2**bits - 1
+    codes = torch.full((n, k), top, dtype=torch.uint8)
+    count = k // cpu_w4a8.block_inputs(bits)
+    scales, mins = torch.full((n, count), 0.5), torch.zeros(n, count)
+    if bits == 4:
+        packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8)
+        blocks = cpu_w4a8.pack(packed, scales, mins)
+    else:
+        blocks = cpu_w4a8.pack_codes(codes, scales, mins, bits)
+    signs = torch.ones(4, k)
+    signs[1] = -1.0
+    signs[2, ::2] = -1.0  # alternating: pairs that cancel
+    signs[3, : k // 2] = -1.0  # each half of the row one sign
+    got = KERNEL.linear(signs, blocks, n, None, isa, bits=bits)
+    expected = cpu_w4a8.w4a8_linear_reference(signs, codes, scales, mins, None)
+    assert ((got - expected).abs() <= 1e-5 * expected.abs().amax()).all()  # float32 steps over the blocks
+    assert got[0, 0] == pytest.approx(top * k * 0.5)  # 127 steps of 1/127 per input
+
+
+@needs_kernel
+@pytest.mark.parametrize("bits", BITS)
 def test_activation_scales_are_per_group_of_32_so_one_huge_value_flattens_only_its_own_group(bits):
     """A row's one huge value (the first position's activations are such rows) sets the scale of its
     own 32 inputs only: the other groups keep their resolution, and the result stays within the

@@ -205,9 +205,12 @@ void tile_avx512(const uint8_t* blocks, int64_t count, const int8_t* q, int64_t 
 }
 
 // The same sums with AVX2: u8 x s8 pairs (maddubs), then pairs of pairs (madd). The 16 outputs of a
-// tile are two halves of 8. maddubs saturates a pair past 32767: 4- and 6-bit codes stay below it
-// (at most 2 * 63 * 127), byte codes are split into their low 7 bits (2 * 127 * 127) and their top
-// bit, whose pairs madd weighs by 128: both exact.
+// tile are two halves of 8. maddubs saturates a pair past 32767, and so would the 16-bit sums of
+// pairs that save most of the madds (the multiplier ports are what bound this loop): a pair of
+// 4-bit codes is at most 2 * 15 * 127 = 3810, so a half's 8 of them add up in 16 bits; a pair of
+// 6-bit codes is at most 2 * 63 * 127 = 16002, so two of them do. Byte codes are split into their
+// low 7 bits (2 * 127 * 127, one madd each) and their top bit, whose pairs add up in 16 bits and
+// are weighed by 128 in one madd. All exact: the integer sums are those of any other order.
 template <int R, int BITS>
 __attribute__((target("avx2,fma,f16c")))
 void tile_avx2(const uint8_t* blocks, int64_t count, const int8_t* q, int64_t k, const float* steps,
@@ -220,8 +223,8 @@ void tile_avx2(const uint8_t* blocks, int64_t count, const int8_t* q, int64_t k,
     const uint8_t* b = blocks + j * block_bytes(BITS);
     prefetch_block(b + PREFETCH_GROUPS * block_bytes(BITS), BITS);
     for (int h = 0; h < 2; ++h) {
-      __m256i sums[R];
-      for (int r = 0; r < R; ++r) sums[r] = _mm256_setzero_si256();
+      __m256i sums[R], pairs[R];  // 32-bit sums of 8 outputs; 16-bit sums of pairs not yet in them
+      for (int r = 0; r < R; ++r) sums[r] = pairs[r] = _mm256_setzero_si256();
       for (int p = 0; p < 4; ++p) {
         const __m256i v = BITS == 6 ? six_bit_codes_avx2(b, p, h) : _mm256_loadu_si256((const __m256i*)(b + 64 * p + 32 * h));
         if constexpr (BITS == 4) {
@@ -229,26 +232,30 @@ void tile_avx2(const uint8_t* blocks, int64_t count, const int8_t* q, int64_t k,
           const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
           for (int r = 0; r < R; ++r) {
             const int8_t* a = q + r * k + j * GROUP;
-            __m256i plo = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(four_bytes(a + 4 * p))), ones);
-            __m256i phi = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, _mm256_set1_epi32(four_bytes(a + 16 + 4 * p))), ones);
-            sums[r] = _mm256_add_epi32(sums[r], _mm256_add_epi32(plo, phi));
+            pairs[r] = _mm256_add_epi16(pairs[r], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(four_bytes(a + 4 * p))));
+            pairs[r] = _mm256_add_epi16(pairs[r], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(four_bytes(a + 16 + 4 * p))));
           }
         } else if constexpr (BITS == 6) {
           for (int r = 0; r < R; ++r) {
             const __m256i a = _mm256_set1_epi32(four_bytes(q + r * k + j * BYTE_GROUP + 4 * p));
-            sums[r] = _mm256_add_epi32(sums[r], _mm256_madd_epi16(_mm256_maddubs_epi16(v, a), ones));
+            pairs[r] = p % 2 ? _mm256_add_epi16(pairs[r], _mm256_maddubs_epi16(v, a)) : _mm256_maddubs_epi16(v, a);
           }
+          if (p % 2)
+            for (int r = 0; r < R; ++r) sums[r] = _mm256_add_epi32(sums[r], _mm256_madd_epi16(pairs[r], ones));
         } else {
           const __m256i rest = _mm256_and_si256(v, low7);
           const __m256i top = _mm256_and_si256(_mm256_srli_epi16(v, 7), bit);
           for (int r = 0; r < R; ++r) {
             const __m256i a = _mm256_set1_epi32(four_bytes(q + r * k + j * BYTE_GROUP + 4 * p));
-            __m256i prest = _mm256_madd_epi16(_mm256_maddubs_epi16(rest, a), ones);
-            __m256i ptop = _mm256_madd_epi16(_mm256_maddubs_epi16(top, a), top_weight);
-            sums[r] = _mm256_add_epi32(sums[r], _mm256_add_epi32(prest, ptop));
+            sums[r] = _mm256_add_epi32(sums[r], _mm256_madd_epi16(_mm256_maddubs_epi16(rest, a), ones));
+            pairs[r] = _mm256_add_epi16(pairs[r], _mm256_maddubs_epi16(top, a));
           }
         }
       }
+      if constexpr (BITS == 4)
+        for (int r = 0; r < R; ++r) sums[r] = _mm256_madd_epi16(pairs[r], ones);
+      if constexpr (BITS == 8)
+        for (int r = 0; r < R; ++r) sums[r] = _mm256_add_epi32(sums[r], _mm256_madd_epi16(pairs[r], top_weight));
       const __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(b + code_bytes(BITS) + 16 * h)));
       const __m256 mins = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(b + code_bytes(BITS) + 32 + 16 * h)));
       for (int r = 0; r < R; ++r) {  // add_block's steps, on 8 lanes
