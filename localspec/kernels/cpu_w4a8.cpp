@@ -29,6 +29,7 @@ namespace {
 constexpr int64_t GROUP = 32;          // inputs per activation scale, and per block of 4-bit codes
 constexpr int64_t BYTE_GROUP = 16;     // inputs per block of 6- and 8-bit codes
 constexpr int64_t TILE = 16;           // outputs per block
+constexpr int AVX2_ROWS = 4;           // rows an AVX2 tile call takes at most
 
 // inputs one block covers in the format of `bits`-bit codes
 constexpr int64_t block_inputs(int bits) { return bits == 4 ? GROUP : BYTE_GROUP; }
@@ -211,65 +212,86 @@ void tile_avx512(const uint8_t* blocks, int64_t count, const int8_t* q, int64_t 
 // 6-bit codes is at most 2 * 63 * 127 = 16002, so two of them do. Byte codes are split into their
 // low 7 bits (2 * 127 * 127, one madd each) and their top bit, whose pairs add up in 16 bits and
 // are weighed by 128 in one madd. All exact: the integer sums are those of any other order.
+// Half h (8 outputs) of block j for R rows: total[r] += the block's scaled sums (add_block's steps,
+// on 8 lanes).
+template <int R, int BITS>
+__attribute__((target("avx2,fma,f16c"), always_inline))
+inline void add_half_avx2(const uint8_t* b, int64_t j, int h, int64_t count, const int8_t* q, int64_t k,
+                          const float* steps, __m256* total) {
+  const __m256i low = _mm256_set1_epi8(0x0F), low7 = _mm256_set1_epi8(0x7F), bit = _mm256_set1_epi8(1);
+  const __m256i ones = _mm256_set1_epi16(1), top_weight = _mm256_set1_epi16(128);
+  __m256i sums[R], pairs[R];  // 32-bit sums of 8 outputs; 16-bit sums of pairs not yet in them
+  for (int r = 0; r < R; ++r) sums[r] = pairs[r] = _mm256_setzero_si256();
+  for (int p = 0; p < 4; ++p) {
+    const __m256i v = BITS == 6 ? six_bit_codes_avx2(b, p, h) : _mm256_loadu_si256((const __m256i*)(b + 64 * p + 32 * h));
+    if constexpr (BITS == 4) {
+      const __m256i lo = _mm256_and_si256(v, low);
+      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+      for (int r = 0; r < R; ++r) {
+        const int8_t* a = q + r * k + j * GROUP;
+        pairs[r] = _mm256_add_epi16(pairs[r], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(four_bytes(a + 4 * p))));
+        pairs[r] = _mm256_add_epi16(pairs[r], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(four_bytes(a + 16 + 4 * p))));
+      }
+    } else if constexpr (BITS == 6) {
+      for (int r = 0; r < R; ++r) {
+        const __m256i a = _mm256_set1_epi32(four_bytes(q + r * k + j * BYTE_GROUP + 4 * p));
+        pairs[r] = p % 2 ? _mm256_add_epi16(pairs[r], _mm256_maddubs_epi16(v, a)) : _mm256_maddubs_epi16(v, a);
+      }
+      if (p % 2)
+        for (int r = 0; r < R; ++r) sums[r] = _mm256_add_epi32(sums[r], _mm256_madd_epi16(pairs[r], ones));
+    } else {
+      const __m256i rest = _mm256_and_si256(v, low7);
+      const __m256i top = _mm256_and_si256(_mm256_srli_epi16(v, 7), bit);
+      for (int r = 0; r < R; ++r) {
+        const __m256i a = _mm256_set1_epi32(four_bytes(q + r * k + j * BYTE_GROUP + 4 * p));
+        sums[r] = _mm256_add_epi32(sums[r], _mm256_madd_epi16(_mm256_maddubs_epi16(rest, a), ones));
+        pairs[r] = _mm256_add_epi16(pairs[r], _mm256_maddubs_epi16(top, a));
+      }
+    }
+  }
+  if constexpr (BITS == 4)
+    for (int r = 0; r < R; ++r) sums[r] = _mm256_madd_epi16(pairs[r], ones);
+  if constexpr (BITS == 8)
+    for (int r = 0; r < R; ++r) sums[r] = _mm256_add_epi32(sums[r], _mm256_madd_epi16(pairs[r], top_weight));
+  const __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(b + code_bytes(BITS) + 16 * h)));
+  const __m256 mins = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(b + code_bytes(BITS) + 32 + 16 * h)));
+  for (int r = 0; r < R; ++r) {
+    const float* step = steps + r * 2 * count + 2 * j;
+    total[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[r]), _mm256_mul_ps(scale, _mm256_set1_ps(step[0])), total[r]);
+    total[r] = _mm256_fmadd_ps(mins, _mm256_set1_ps(step[1]), total[r]);
+  }
+}
+
+// Up to 2 rows take both halves of a block before the next block (one pass over the tile's blocks,
+// as a decode step streams them from memory); 3 and 4 rows, whose accumulators for both halves
+// would not fit in 16 registers, take the tile's first half over all its blocks and then the
+// second (the blocks are then in cache). The same sums and float steps either way.
 template <int R, int BITS>
 __attribute__((target("avx2,fma,f16c")))
 void tile_avx2(const uint8_t* blocks, int64_t count, const int8_t* q, int64_t k, const float* steps,
                const float* bias, float* out, int64_t n, int64_t n0) {
-  const __m256i low = _mm256_set1_epi8(0x0F), low7 = _mm256_set1_epi8(0x7F), bit = _mm256_set1_epi8(1);
-  const __m256i ones = _mm256_set1_epi16(1), top_weight = _mm256_set1_epi16(128);
-  __m256 total[R][2];
-  for (int r = 0; r < R; ++r) total[r][0] = total[r][1] = _mm256_setzero_ps();
-  for (int64_t j = 0; j < count; ++j) {
-    const uint8_t* b = blocks + j * block_bytes(BITS);
-    prefetch_block(b + PREFETCH_GROUPS * block_bytes(BITS), BITS);
-    for (int h = 0; h < 2; ++h) {
-      __m256i sums[R], pairs[R];  // 32-bit sums of 8 outputs; 16-bit sums of pairs not yet in them
-      for (int r = 0; r < R; ++r) sums[r] = pairs[r] = _mm256_setzero_si256();
-      for (int p = 0; p < 4; ++p) {
-        const __m256i v = BITS == 6 ? six_bit_codes_avx2(b, p, h) : _mm256_loadu_si256((const __m256i*)(b + 64 * p + 32 * h));
-        if constexpr (BITS == 4) {
-          const __m256i lo = _mm256_and_si256(v, low);
-          const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-          for (int r = 0; r < R; ++r) {
-            const int8_t* a = q + r * k + j * GROUP;
-            pairs[r] = _mm256_add_epi16(pairs[r], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(four_bytes(a + 4 * p))));
-            pairs[r] = _mm256_add_epi16(pairs[r], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(four_bytes(a + 16 + 4 * p))));
-          }
-        } else if constexpr (BITS == 6) {
-          for (int r = 0; r < R; ++r) {
-            const __m256i a = _mm256_set1_epi32(four_bytes(q + r * k + j * BYTE_GROUP + 4 * p));
-            pairs[r] = p % 2 ? _mm256_add_epi16(pairs[r], _mm256_maddubs_epi16(v, a)) : _mm256_maddubs_epi16(v, a);
-          }
-          if (p % 2)
-            for (int r = 0; r < R; ++r) sums[r] = _mm256_add_epi32(sums[r], _mm256_madd_epi16(pairs[r], ones));
-        } else {
-          const __m256i rest = _mm256_and_si256(v, low7);
-          const __m256i top = _mm256_and_si256(_mm256_srli_epi16(v, 7), bit);
-          for (int r = 0; r < R; ++r) {
-            const __m256i a = _mm256_set1_epi32(four_bytes(q + r * k + j * BYTE_GROUP + 4 * p));
-            sums[r] = _mm256_add_epi32(sums[r], _mm256_madd_epi16(_mm256_maddubs_epi16(rest, a), ones));
-            pairs[r] = _mm256_add_epi16(pairs[r], _mm256_maddubs_epi16(top, a));
-          }
-        }
-      }
-      if constexpr (BITS == 4)
-        for (int r = 0; r < R; ++r) sums[r] = _mm256_madd_epi16(pairs[r], ones);
-      if constexpr (BITS == 8)
-        for (int r = 0; r < R; ++r) sums[r] = _mm256_add_epi32(sums[r], _mm256_madd_epi16(pairs[r], top_weight));
-      const __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(b + code_bytes(BITS) + 16 * h)));
-      const __m256 mins = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(b + code_bytes(BITS) + 32 + 16 * h)));
-      for (int r = 0; r < R; ++r) {  // add_block's steps, on 8 lanes
-        const float* step = steps + r * 2 * count + 2 * j;
-        total[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[r]), _mm256_mul_ps(scale, _mm256_set1_ps(step[0])), total[r][h]);
-        total[r][h] = _mm256_fmadd_ps(mins, _mm256_set1_ps(step[1]), total[r][h]);
-      }
+  __m256 total[2][R];
+  for (int h = 0; h < 2; ++h)
+    for (int r = 0; r < R; ++r) total[h][r] = _mm256_setzero_ps();
+  if constexpr (R <= 2) {
+    for (int64_t j = 0; j < count; ++j) {
+      const uint8_t* b = blocks + j * block_bytes(BITS);
+      prefetch_block(b + PREFETCH_GROUPS * block_bytes(BITS), BITS);
+      for (int h = 0; h < 2; ++h) add_half_avx2<R, BITS>(b, j, h, count, q, k, steps, total[h]);
     }
+  } else {
+    for (int h = 0; h < 2; ++h)
+      for (int64_t j = 0; j < count; ++j) {
+        const uint8_t* b = blocks + j * block_bytes(BITS);
+        if (h == 0) prefetch_block(b + PREFETCH_GROUPS * block_bytes(BITS), BITS);
+        add_half_avx2<R, BITS>(b, j, h, count, q, k, steps, total[h]);
+      }
   }
   const int64_t width = n - n0 < TILE ? n - n0 : TILE;
   for (int r = 0; r < R; ++r) {
     float y[TILE];
-    _mm256_storeu_ps(y, total[r][0]);
-    _mm256_storeu_ps(y + 8, total[r][1]);
+    _mm256_storeu_ps(y, total[0][r]);
+    _mm256_storeu_ps(y + 8, total[1][r]);
     for (int64_t i = 0; i < width; ++i) out[r * n + n0 + i] = bias ? y[i] + bias[n0 + i] : y[i];
   }
 }
@@ -561,11 +583,12 @@ typedef void (*TileFn)(const uint8_t*, int64_t, const int8_t*, int64_t, const fl
   { tile_avx512<1, BITS>, tile_avx512<2, BITS>, tile_avx512<3, BITS>, tile_avx512<4, BITS>, tile_avx512<5, BITS>, \
     tile_avx512<6, BITS>, tile_avx512<7, BITS>, tile_avx512<8, BITS> }
 
-// Rows go in chunks of up to 8 (AVX-512: 2 x 8 accumulators fit in 32 registers) or 2 (AVX2).
+#define TILES_AVX2(BITS) { tile_avx2<1, BITS>, tile_avx2<2, BITS>, tile_avx2<3, BITS>, tile_avx2<4, BITS> }
+
+// Rows go in chunks of up to 8 (AVX-512: 2 x 8 accumulators fit in 32 registers) or AVX2_ROWS.
 TileFn tile_fn(int isa, int bits, int rows) {
   static const TileFn avx512[3][8] = {TILES_AVX512(4), TILES_AVX512(6), TILES_AVX512(8)};
-  static const TileFn avx2[3][2] = {{tile_avx2<1, 4>, tile_avx2<2, 4>}, {tile_avx2<1, 6>, tile_avx2<2, 6>},
-                                    {tile_avx2<1, 8>, tile_avx2<2, 8>}};
+  static const TileFn avx2[3][AVX2_ROWS] = {TILES_AVX2(4), TILES_AVX2(6), TILES_AVX2(8)};
   const int format = bits / 2 - 2;  // 4, 6, 8 -> 0, 1, 2
   return isa >= 2 ? avx512[format][rows - 1] : avx2[format][rows - 1];
 }
@@ -598,7 +621,7 @@ void w4a8_linear(const float* x, int64_t m, int64_t k, const uint8_t* blocks, in
     else quantize_row_avx2(x + r * k, k, bits, q + r * k, steps + r * 2 * count);
   }
   const int64_t tiles = (n + TILE - 1) / TILE;
-  const int chunk = isa >= 2 ? 8 : 2;
+  const int chunk = isa >= 2 ? 8 : AVX2_ROWS;
   // rows in whole sets of 16 go to the tile unit, the rest to the vector units (the same numbers);
   // 6-bit codes always to the vector units, which unpack them in registers
   const int64_t amx_rows = isa == 3 && bits != 6 ? m / AMX_ROWS * AMX_ROWS : 0;
