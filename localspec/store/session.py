@@ -279,10 +279,11 @@ def choose_quant(entry: ModelEntry, wanted: str, device: torch.device, dtype: st
         return _fit_in_memory(entry, device, free, DTYPE_NAMES[dtype].itemsize, f"--dtype {dtype}")
     from_gguf = reads_gguf(entry)
     if from_gguf and device.type == "cpu" and (kernel := _w4a8_kernel_name()):
+        widening = ("a verify pass of a few tokens costs about what one token does" if "VNNI" in kernel else
+                    "a verify pass costs more as it widens on AVX2 (4 tokens about 1.7x one), which the draft sizes follow")
         return "w4a8", Reason(
             f"the file's own 4-, 6- and 8-bit weights, multiplied with int8 activations by localspec's {kernel} "
-            "kernel: a verify pass of a few tokens costs about what one token does",
-            f"file's own 4/6/8-bit · {kernel} kernel")
+            f"kernel: {widening}", f"file's own 4/6/8-bit · {kernel} kernel")
     if from_gguf and device.type != "mps":  # MPS has no int4 kernel: 16-bit where it fits, below
         return "int4", Reason("the file's own 4-bit weights (its wider ones in bf16): nothing re-quantized",
                               "file's own 4-bit")
