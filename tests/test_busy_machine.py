@@ -36,7 +36,7 @@ def test_a_busy_loop_in_another_process_takes_one_core_from_the_pool(threads):
 def test_the_pool_follows_the_free_cores_and_says_so_only_when_it_changes(threads, monkeypatch):
     said = []
     for free, expected in ((machine.THREADS, 0), (1, 1), (1, 1), (machine.THREADS, 2)):
-        monkeypatch.setattr(machine, "free_cores", lambda free=free: free)
+        monkeypatch.setattr(machine, "free_cores", lambda free=free, load=None: free)
         assert machine.fit_threads(said.append) == free == torch.get_num_threads()
         assert len(said) == (expected if machine.THREADS > 1 else 0)
     if machine.THREADS > 1:
@@ -47,7 +47,7 @@ def test_a_session_sizes_the_pool_before_it_times_or_loads_anything(threads, mon
     from localspec.base.errors import LocalspecError
     from localspec.store import session
 
-    monkeypatch.setattr(machine, "free_cores", lambda: 1)
+    monkeypatch.setattr(machine, "free_cores", lambda load=None: 1)
     seen = []
 
     def load_models(*args, **kwargs):
@@ -102,3 +102,21 @@ def test_a_calibration_beside_a_busy_loop_is_not_kept_though_its_passes_agree(tm
     assert not measurements.load_calibrations() and len(said) == 1 and "busy" in said[0]
     assert measurements.measured_costs("tiny", tiny_model("llama"), (1, 2), say=said.append) == {1: 0.02, 2: 0.04}
     assert measurements.load_calibrations(), "the same passes on a quiet machine are kept"
+
+
+def test_between_turns_the_load_since_the_last_answer_sizes_the_pool_without_a_wait(threads):
+    """A turn's look at the machine is what other programs did while the engine was idle: no
+    sample of its own (which would add its wait to every answer's first token)."""
+    if machine.THREADS < 2:
+        pytest.skip("one core: nothing to leave to another program")
+    loop = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.3)
+        idle = machine.OthersLoad()
+        time.sleep(1.0)  # between two answers
+        started = time.monotonic()
+        assert machine.fit_threads(lambda line: None, idle) < machine.THREADS
+        assert time.monotonic() - started < 0.1
+    finally:
+        loop.kill()
+        loop.wait()

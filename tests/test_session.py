@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from conftest import CharTokenizer, tiny_model
-from localspec.base.config import SpecConfig
+from localspec.base.config import GenerationLimits, SpecConfig
 from localspec.base.errors import LocalspecError
 from localspec.base.reasons import Reason
-from localspec.store import session
+from localspec.store import machine, session
 from localspec.store.loading import LoadedModel
 from localspec.store.proposer_catalog import PROMPT_LOOKUP, Candidate
 from localspec.store.registry import load_registry
@@ -326,3 +326,74 @@ def test_the_chat_switches_through_the_session(ngram_session):
     assert shown.proposer_choice == "draft proposer: draft was chosen in the chat"
     assert shown.proposer_choice.short == f"draft {DRAFT} · chosen here" and shown.weights.short == "test · cpu"
     assert seen["drafts"] and seen["checked"] and seen["closed"] == ["ngram"]
+
+
+# -- between turns: the thread pool and a calibration gone stale ---------------------------------
+
+class Load:
+    """Other programs' load as a session's turn reads it."""
+
+    busy = 0.0
+
+    def __init__(self):
+        self.started = -1e9  # long ago: the idle gap is long enough to size the pool on
+
+    def cores(self):
+        return Load.busy
+
+
+@pytest.fixture
+def turns(opening, monkeypatch):
+    """A session on prompt lookup whose pass costs are in calibration.json; other programs' load is
+    `Load.busy`."""
+    from localspec.store import measurements
+
+    monkeypatch.setattr(session, "OthersLoad", Load)
+    monkeypatch.setattr(Load, "busy", 0.0)
+    opened, _ = opening([Candidate("ngram", PROMPT_LOOKUP)], requested="ngram")
+    opened._idle = Load()
+    key = measurements.pass_cost_key(opened.target.name, opened.target.model)
+    measurements.save_calibration(key, {"context=128": {"1": 0.03}})
+    return opened, lambda: key in measurements.load_calibrations()
+
+
+def answered(opened, passes, seconds_each):
+    """A finished answer as the engine counted it: `passes` verify passes of `seconds_each` against
+    the calibrated 30 ms."""
+    opened.begin_turn()
+    own = opened.engine.stats
+    own.passes, own.verify_seconds, own.expected_verify_seconds = passes, passes * seconds_each, passes * 0.03
+    opened.record(own)
+
+
+def test_an_answer_whose_passes_ran_far_from_their_calibration_on_a_quiet_machine_has_them_measured_again(turns, capsys):
+    opened, calibrated = turns
+    answered(opened, 40, 0.036)  # 1.2x: a pass's usual wander and its acceptance rule
+    answered(opened, 10, 0.09)  # 3x, but too few passes to judge by
+    assert calibrated() and "calibrated time" not in capsys.readouterr().err
+    answered(opened, 40, 0.075)  # 2.5x
+    assert not calibrated()
+    assert "passes took 2.50x their calibrated time on a quiet machine" in capsys.readouterr().err
+
+
+def test_a_busy_machine_or_another_thread_count_does_not_judge_the_calibration(turns, monkeypatch):
+    opened, calibrated = turns
+    monkeypatch.setattr(Load, "busy", 0.8)
+    answered(opened, 40, 0.075)  # slow because another program ran beside it
+    assert calibrated()
+    monkeypatch.setattr(Load, "busy", 0.0)
+    opened.calibrated_threads = machine.THREADS + 1  # measured on a thread count the pool does not have now
+    answered(opened, 40, 0.075)
+    assert calibrated()
+
+
+def test_the_engine_asks_the_session_before_each_answer_and_counts_what_the_costs_expected(turns, monkeypatch):
+    opened, _ = turns
+    begun = []
+    monkeypatch.setattr(opened, "begin_turn", lambda: begun.append(True))
+    opened.engine.before_turn = opened.begin_turn
+    list(opened.engine.generate([1, 2, 3] * 6, limits=GenerationLimits(12)))
+    own = opened.engine.stats
+    assert begun == [True] and own.passes > 1
+    # the stubbed costs: 30 ms for one token, 2 ms more for each further one up to 16
+    assert own.expected_verify_seconds == pytest.approx(0.03 * own.passes + 0.002 * own.drafted)

@@ -18,7 +18,7 @@ from localspec.runtime.costs import CostModel
 LOOPING_PROMPT = [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6]
 COSTS = CostModel({1: 1.0, 2: 1.05, 4: 1.1, 8: 1.3, 16: 2.0}, draft_step_seconds=0.1)
 SECONDS = ("prefill_seconds", "ttft_seconds", "decode_seconds", "draft_seconds", "verify_seconds",
-           "plain_seconds", "plain_token_seconds")
+           "expected_verify_seconds", "plain_seconds", "plain_token_seconds")
 
 
 def model_engine() -> Engine:

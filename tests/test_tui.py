@@ -588,3 +588,25 @@ async def test_chat_with_smollm2(tmp_path):
         assert view.message.content.strip() and stats["new_tokens"] > 0 and stats["passes"] > 0
         assert json.loads(app.history.path(app.chat.conversation.id).read_text())["messages"][1]["content"]
         assert "tok/s" in shown(app.chat.query_one(StatsPanel).query_one("#figures", Static))
+
+
+def test_an_in_process_chat_answer_is_recorded_by_the_session_once_it_is_finished():
+    """The chat's answers reach the session's record (the machine's history, the pass-cost check)
+    as the CLI's and the server's do; the events pass through unchanged."""
+    from localspec.apps.tui.backend import Recorded
+    from localspec.core.events import FinalEvent, TokenEvent
+    from localspec.core.stats import GenerationStats
+
+    final = FinalEvent(stats=GenerationStats(new_tokens=3))
+    events = [TokenEvent(), TokenEvent(), final]
+
+    class Engine:
+        def generate(self, prompt, sampling, limits, system=None):
+            yield from events
+
+    recorded = []
+    chat = Recorded(Engine(), recorded.append)
+    stream = chat.generate("hi", None, None)
+    assert [next(stream), next(stream)] == events[:2] and not recorded
+    assert next(stream) is final
+    assert list(stream) == [] and recorded == [final.stats]

@@ -162,6 +162,9 @@ class Engine:
         self.clock = clock
         """Seconds, for every figure the engine measures (a test gives a clock of its own)."""
         self.stats = GenerationStats()
+        self.before_turn: Callable[[], None] | None = None
+        """Called as each generation starts, before its prefill (the session's look at the machine
+        between turns: how many cores are free now)."""
         self.vocabulary = None
         """The tokenizer as the grammar library reads it, built for the first constrained answer."""
 
@@ -231,6 +234,8 @@ class Engine:
         # 5. learn: the policy credits each part's guesses; the statistics and the kill switch count the pass
         own = self.policy.learn(proposal, accepted, verified - started)  # the model's own accepted guesses, or None
         self.stats.record_pass(len(draft), len(accepted), drafted - started, verified - drafted)
+        if self.costs is not None:
+            self.stats.expected_verify_seconds += self.costs.verify(len(draft) + 1)
         if proposal.model is not None:
             self.stats.lookup_accepted += len(accepted) - own
             self.stats.draft_steps += proposal.model.steps if proposal.model.steps is not None else len(proposal.model)
@@ -344,6 +349,8 @@ class Engine:
         check_ids(tokens, self.context_len)
         generator = make_generator(sampling.seed, self.device)
         constraint = self._constraint(grammar) if grammar is not None else None
+        if self.before_turn is not None:
+            self.before_turn()
         scoring = logprobs if echo else None  # the prompt's own tokens scored: a prefill that keeps nothing cached
         stats = self.stats = GenerationStats(
             proposer=self.proposer_name, reason=self.proposer_reason, prompt_tokens=len(tokens),

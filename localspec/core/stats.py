@@ -56,6 +56,8 @@ class PassFigures:
     draft_steps: int = 0
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
+    expected_verify_seconds: float = 0.0
+    """What the calibrated costs said the verify pass would take."""
     tokens: int = 0
     """Tokens the pass added to the answer: accepted + 1, fewer where the answer stopped."""
     plain_seconds: float = 0.0
@@ -74,7 +76,8 @@ class PassFigures:
             self.lookup_accepted - before.lookup_accepted, self.lookup_passes - before.lookup_passes,
             self.history_passes - before.history_passes, self.history_accepted - before.history_accepted,
             self.draft_steps - before.draft_steps, self.draft_seconds - before.draft_seconds,
-            self.verify_seconds - before.verify_seconds, **rest,
+            self.verify_seconds - before.verify_seconds, self.expected_verify_seconds - before.expected_verify_seconds,
+            **rest,
         )
 
 
@@ -108,6 +111,9 @@ class GenerationStats:
     """Accepted tokens guessed from earlier conversations; the rest from this one or a model."""
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
+    expected_verify_seconds: float = 0.0
+    """What the calibrated costs said those verify passes would take (a session compares the two
+    to see a calibration go stale)."""
     prefill_seconds: float = 0.0
     ttft_seconds: float = 0.0
     decode_seconds: float = 0.0
@@ -141,7 +147,8 @@ class GenerationStats:
         """The counters the passes have added up so far, as figures (a pass's share is their
         difference across it)."""
         return PassFigures(self.drafted, self.accepted, self.lookup_accepted, self.lookup_passes,
-                           self.history_passes, self.history_accepted, self.draft_steps, self.draft_seconds, self.verify_seconds)
+                           self.history_passes, self.history_accepted, self.draft_steps, self.draft_seconds, self.verify_seconds,
+                           self.expected_verify_seconds)
 
     def advance(self, figures: PassFigures) -> None:
         """The answer's side of a pass: its tokens, their plain-decoding cost and the clock."""
@@ -165,6 +172,7 @@ class GenerationStats:
         self.history_passes += figures.history_passes
         self.history_accepted += figures.history_accepted
         self.draft_steps += figures.draft_steps
+        self.expected_verify_seconds += figures.expected_verify_seconds
         self.notices += figures.notices
         self.advance(figures)
 

@@ -147,21 +147,23 @@ def _own_busy() -> float:
     return t.user + t.system
 
 
-def free_cores(sample_seconds: float = 0.2) -> int:
-    """Of THREADS, the cores other processes leave free now (over a short sample), in whole cores
-    (at least one)."""
-    load = OthersLoad()
-    time.sleep(sample_seconds)
+def free_cores(sample_seconds: float = 0.2, load: OthersLoad | None = None) -> int:
+    """Of THREADS, the cores other processes leave free now (over a short sample, or over `load`'s
+    time when one is given, which then costs no wait), in whole cores (at least one)."""
+    if load is None:
+        load = OthersLoad()
+        time.sleep(sample_seconds)
     others = load.cores() * THREADS / max(usable_cores(), THREADS)
     return max(1, THREADS - round(others))
 
 
-def fit_threads(say: Callable[[str], None] = print_notice) -> int:
+def fit_threads(say: Callable[[str], None] = print_notice, load: OthersLoad | None = None) -> int:
     """Size the CPU thread pool (torch's, which the compiled kernels share) to the free cores, so
     that localspec's threads do not spin against another program's on a busy machine; call it
-    before loading (the calibration is keyed by the thread count) and between turns. Says so when
-    it changes the count; returns the threads now."""
-    threads = free_cores()
+    before loading (the calibration is keyed by the thread count) and between turns (with `load`
+    begun when the last turn ended: what other programs did meanwhile). Says so when it changes
+    the count; returns the threads now."""
+    threads = free_cores(load=load)
     if threads != torch.get_num_threads():
         torch.set_num_threads(threads)
         say(f"other work keeps {THREADS - threads} of {THREADS} cores busy: localspec runs on {threads} thread(s)"

@@ -53,6 +53,17 @@ def save_calibration(key: str, value: dict) -> None:
         update_json_object(_calibration_file(), put)
 
 
+def forget_pass_costs(name: str, model: torch.nn.Module) -> None:
+    """Drop a model's calibrated pass costs: the next session that runs it measures them again."""
+    key = pass_cost_key(name, model)
+
+    def drop(data: dict) -> None:
+        data.pop(key, None)
+
+    with contextlib.suppress(OSError):  # see the module docstring
+        update_json_object(_calibration_file(), drop)
+
+
 def _runtime() -> str:
     return f"threads={torch.get_num_threads()}"
 

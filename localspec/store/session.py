@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import functools
 import sys
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import psutil
 import torch
@@ -30,11 +31,12 @@ from localspec.runtime.costs import CostModel, WIDTHS, cost_model
 from localspec.store import proposer_catalog
 from localspec.store.cleanup import discard_unused
 from localspec.store.loading import LoadedModel, load_model, pick_device, release_memory
-from localspec.store.machine import check_tokenizers, fit_threads, situation
+from localspec.store.machine import OthersLoad, check_tokenizers, fit_threads, situation
 from localspec.store.history import record_generation
 from localspec.store.paths import fetched_gguf, hub_snapshot
 from localspec.store.measurements import (
-    draft_format_key, dtype_key, load_calibration, measured_costs, measured_curves, save_calibration,
+    QUIET_OTHERS, draft_format_key, dtype_key, forget_pass_costs, load_calibration, measured_costs, measured_curves,
+    save_calibration,
 )
 from localspec.store.proposer_catalog import Candidate, rank_proposers, registered_draft
 from localspec.store.registry import ModelEntry, Registry, load_registry
@@ -48,6 +50,16 @@ PACKING_MEMORY_MARGIN = 1 << 30
 DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 ASSUMED_ACCEPTANCE = 0.7
 """Acceptance used to compare dtypes before any generation has been seen."""
+STALE_COSTS = 1.4
+"""How far (either way) an answer's own verify passes may run from their calibrated times (CPU)
+before the calibration is taken as stale and measured again next start. On a quiet 2-core VM the
+1.5B's passes wander up to ~20% around their calibrated best (costs.QUIET_SPREAD), and a pass here
+also carries its acceptance rule and commit, a few percent more."""
+STALE_AFTER_PASSES = 16
+"""Fewest passes an answer must have for its times to judge the calibration."""
+IDLE_FOR_THREADS = 1.0
+"""Seconds between turns over which other programs' load is worth re-sizing the thread pool for
+(a shorter gap: the count fitted at the start stands)."""
 
 
 class DraftCannotPay(LocalspecError):
@@ -73,6 +85,12 @@ class Session:
     proposer: str = "none"
     reason: Reason = Reason("", "")
     """Why this proposer, in one line."""
+    calibrated_threads: int = field(default_factory=torch.get_num_threads)
+    """The thread count the engine's pass costs were measured at."""
+    _idle: OthersLoad = field(default_factory=OthersLoad)
+    """Other programs' load since the last answer ended (or the session opened)."""
+    _turn: OthersLoad | None = None
+    """Other programs' load since this answer began."""
 
     @property
     def weights_choice(self) -> Reason:
@@ -95,8 +113,32 @@ class Session:
         return f"{self.weights_choice.short}; {self.proposer_choice.short}"
 
     def record(self, stats: GenerationStats) -> None:
-        """Keep a finished answer's figures in this machine's history, under the running pair."""
+        """Keep a finished answer's figures in this machine's history, under the running pair, and
+        measure the pass costs again next start if the answer's own times say they went stale."""
         record_generation(self.entry.name, self.proposer, stats, self.draft.name if self.draft else None)
+        turn, self._turn, self._idle = self._turn, None, OthersLoad()
+        if self.engine is None or self.target.device.type != "cpu" or turn is None or turn.cores() >= QUIET_OTHERS:
+            return  # a busy machine's answer says more about the other work than about the calibration
+        if torch.get_num_threads() != self.calibrated_threads:
+            return  # the costs are those of another thread count: of course they differ
+        if stats.passes < STALE_AFTER_PASSES or stats.expected_verify_seconds <= 0 or stats.verify_seconds <= 0:
+            return
+        ratio = stats.verify_seconds / stats.expected_verify_seconds
+        if max(ratio, 1 / ratio) > STALE_COSTS:
+            forget_pass_costs(self.target.name, self.target.model)
+            notice(f"{self.target.name}'s passes took {ratio:.2f}x their calibrated time on a quiet machine: "
+                   "its pass costs are measured again next start", self.quiet)
+
+    def begin_turn(self) -> None:
+        """Before an answer (the engine calls it): the thread pool re-sized to the cores other
+        programs left free since the last answer, and this answer's look at their load begun."""
+        if self.target.device.type == "cpu" and time.monotonic() - self._idle.started >= IDLE_FOR_THREADS:
+            before = torch.get_num_threads()
+            now = fit_threads(lambda line: notice(line, self.quiet), self._idle)
+            if now != before and now != self.calibrated_threads:
+                notice(f"the pass costs were measured on {self.calibrated_threads} threads: drafts are sized on them "
+                       "until the next start", self.quiet)
+        self._turn = OthersLoad()
 
     def details(self) -> dict:
         """What a report says about the running pair, as JSON-ready data (the CLI's `--json`, and
@@ -145,6 +187,7 @@ class Session:
                 f"draft too slow here: {step} a step",
             ))
         engine = make_engine(self.target, draft, proposer, spec, reason, costs)
+        engine.before_turn = self.begin_turn
         self.close()
         self.engine, self.proposer, self.reason = engine, proposer, reason
         return engine

@@ -18,6 +18,8 @@ import psutil
 from localspec.base.config import GenerationLimits, SamplingConfig, SpecConfig
 from localspec.base.errors import LocalspecError
 from localspec.base.reasons import Reason
+from localspec.core.events import FinalEvent
+from localspec.core.stats import GenerationStats
 from localspec.store import proposer_catalog
 from localspec.store.registry import Registry, load_registry
 
@@ -123,8 +125,24 @@ class SessionBackend:
             proposer = settings.spec.proposer
             current.switch_proposer(proposer, settings.spec, Reason(f"{proposer} was chosen in the chat", "chosen here"), status)
         device = current.target.device.type
-        return Loaded(current.engine, entry.name, current.proposer, current.weights_choice, current.proposer_choice,
-                      lambda: memory_in_use(device))
+        return Loaded(Recorded(current.engine, current.record), entry.name, current.proposer, current.weights_choice,
+                      current.proposer_choice, lambda: memory_in_use(device))
+
+
+@dataclass
+class Recorded:
+    """An in-process engine whose finished answers go to the session's `record` (this machine's
+    history of what each proposer measured, and the check of its pass costs), as the CLI's and
+    the server's do."""
+
+    engine: ChatEngine
+    record: Callable[[GenerationStats], None]
+
+    def generate(self, prompt, sampling, limits, system=None):
+        for event in self.engine.generate(prompt, sampling, limits, system=system):
+            yield event
+            if isinstance(event, FinalEvent):
+                self.record(event.stats)
 
 
 class ResidentBackend:
