@@ -322,7 +322,7 @@ def test_the_chat_switches_through_the_session(ngram_session):
     opened, seen = ngram_session
     backend = SessionBackend(load_registry(), session=opened)
     shown = backend.open(ChatSettings(model=TARGET, spec=SpecConfig(proposer="draft")), lambda stage: None)
-    assert shown.engine is opened.engine and shown.proposer == "draft"
+    assert shown.engine.engine is opened.engine and shown.engine.record == opened.record and shown.proposer == "draft"
     assert shown.proposer_choice == "draft proposer: draft was chosen in the chat"
     assert shown.proposer_choice.short == f"draft {DRAFT} · chosen here" and shown.weights.short == "test · cpu"
     assert seen["drafts"] and seen["checked"] and seen["closed"] == ["ngram"]
