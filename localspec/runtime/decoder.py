@@ -21,12 +21,32 @@ localspec/runtime/graphs.py can capture it as a CUDA graph (giving it a table of
 
 from __future__ import annotations
 
+import functools
 import sys
 
 import torch
 
+from localspec.base.config import home_dir
+from localspec.kernels.cpu_rows import RowsKernel, cpu_rows, fast_norms, takes_rotary
 from localspec.runtime.attention import RowPlan, RowTable, exact_attention, rows_on_device, table_attention
 from localspec.runtime.kv import extend_to
+
+PLAIN_ROTARY = ("transformers.models.llama.modeling_llama", "transformers.models.qwen2.modeling_qwen2",
+                "transformers.models.mistral.modeling_mistral")
+"""Modules whose apply_rotary_pos_emb is the plain half-rotation `cpu_rows.rotary_` computes."""
+
+
+@functools.cache
+def _rows() -> RowsKernel | None:
+    return cpu_rows(home_dir() / "kernels")
+
+
+def use_cpu_rows(model: torch.nn.Module) -> None:
+    """A CPU model's norms computed by the row kernel (kernels/cpu_rows.py); nothing where it
+    cannot be built. For a loaded model, before its first pass: its numbers are then the same on
+    every path and in every pass (a reference computed before the swap would differ in rounding)."""
+    if next(model.parameters()).device.type == "cpu" and (kernel := _rows()) is not None:
+        fast_norms(model, kernel)
 
 
 def unsupported_reason(model: torch.nn.Module) -> str | None:
@@ -95,8 +115,13 @@ def _attention(attention, normed: torch.Tensor, cos: torch.Tensor, sin: torch.Te
     query = attention.q_proj(normed).view(1, t, -1, d).transpose(1, 2)  # (1, H, T, D)
     key = attention.k_proj(normed).view(1, t, -1, d).transpose(1, 2)  # (1, Hkv, T, D)
     value = attention.v_proj(normed).view(1, t, -1, d).transpose(1, 2)  # (1, Hkv, T, D)
-    # the model's own rotary function, the one its transformers forward applies
-    query, key = sys.modules[type(attention).__module__].apply_rotary_pos_emb(query, key, cos, sin)
+    module = type(attention).__module__
+    rows = _rows() if module in PLAIN_ROTARY and not torch.is_grad_enabled() else None
+    if rows is not None and takes_rotary(query, cos) and takes_rotary(key, cos):
+        rows.rotary_(query, cos, sin)  # in place, the bits of the model's own function
+        rows.rotary_(key, cos, sin)
+    else:  # the model's own rotary function, the one its transformers forward applies
+        query, key = sys.modules[module].apply_rotary_pos_emb(query, key, cos, sin)
     if table is not None:
         keys, values = cache.update(key, value, index, slots=table.slots, end=end)  # (1, Hkv, capacity, D) buffers
         out = table_attention(query, keys, values, table, attention.scaling)

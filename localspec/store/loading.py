@@ -16,6 +16,7 @@ import torch
 
 from localspec.base.files import hold, write_text_atomic
 from localspec.runtime import quant as quantization
+from localspec.runtime.decoder import use_cpu_rows
 from localspec.store.converted import Weights, load_snapshot
 from localspec.store.gguf_model import GGUFSource, blocks_file, build_model
 from localspec.store.paths import COMPLETE, converted_root, gguf_cache, hub_snapshot
@@ -140,7 +141,9 @@ def place(model: torch.nn.Module, quant: str, device: torch.device) -> None:
     if quantization.uses_bitsandbytes(quant, device):
         quantization.quantize_model(model, quant, device)
     model.to(device)
-    if device.type != "cpu":  # bitsandbytes' scratch, the allocators' caches: what the load freed shows as free memory
+    if device.type == "cpu":
+        use_cpu_rows(model)  # before anything runs it: every pass, transformers' own included, sees the same norms
+    else:  # bitsandbytes' scratch, the allocators' caches: what the load freed shows as free memory
         release_memory()
 
 
