@@ -3,6 +3,7 @@ greedy decoding and the target's distribution, and the history kept on disk."""
 
 from __future__ import annotations
 
+import os
 import numpy as np
 import pytest
 import torch
@@ -273,3 +274,17 @@ def test_forget_and_context_from_the_command_line(tmp_path, monkeypatch, capsys)
     (tmp_path / "a.py").write_text("x = 1\n")
     args = build_parser().parse_args(["run", "--context", str(tmp_path / "a.py"), "--context", str(tmp_path), "hi"])
     assert args.prompt == "hi" and spec_from(args, "auto").context == (str((tmp_path / "a.py").resolve()), str(tmp_path.resolve()))
+
+
+def test_a_benchmarks_empty_history_is_fresh_then_gone_and_the_users_setting_comes_back(monkeypatch, tmp_path):
+    from localspec.store import token_history
+
+    monkeypatch.setenv("LOCALSPEC_HISTORY_DIR", str(tmp_path / "mine"))
+    with token_history.empty_history():
+        inside = token_history.history_dir()
+        assert inside != tmp_path / "mine" and inside.is_dir() and not any(inside.iterdir())
+    assert not inside.exists() and token_history.history_dir() == tmp_path / "mine"
+    monkeypatch.delenv("LOCALSPEC_HISTORY_DIR")
+    with token_history.empty_history():
+        pass
+    assert "LOCALSPEC_HISTORY_DIR" not in os.environ

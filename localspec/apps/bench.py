@@ -368,9 +368,12 @@ def bench_llama_cpp(side: LlamaCppSide, entry, prompts: list[dict], max_new: int
 def localspec_one_shot(model: str, prompt: str) -> dict:
     """`localspec run` as a one-shot user starts it (default proposer and weights, in its own
     process), start to end."""
+    from localspec.store.token_history import empty_history
+
     cmd = [sys.executable, "-m", "localspec.apps.cli", "run", "--model", model, "--max-new-tokens", str(ONE_SHOT_TOKENS),
            "--quiet", "--no-daemon", "--", prompt]
-    run = measured_run(cmd, "localspec run")
+    with empty_history():  # a new prompt: the answer an earlier benchmark gave is not remembered
+        run = measured_run(cmd, "localspec run")
     return {"seconds": run.seconds, "peak_rss_mb": run.peak_rss_mb}
 
 
@@ -379,9 +382,24 @@ def localspec_resident_one_shot(model: str, prompt: str) -> dict:
     and stopped after; warmed by another prompt, so this one's prefill is not cached): start to
     end, the answer's own decode time, and the first token's time as the user sees it."""
     from localspec.apps import resident
+    from localspec.store.token_history import empty_history
 
     if resident.find_engine() is not None:
         return {"skipped": "a resident engine already runs for this home: stop it to measure one started here"}
+    with empty_history():  # the engine remembers nothing from an earlier benchmark's answers
+        run = _resident_run(model, prompt)
+    stats = json.loads(run.stdout)["stats"]
+    engine_seconds = stats["ttft_seconds"] + stats["decode_seconds"]
+    return {"seconds": run.seconds, "decode_seconds": stats["decode_seconds"],
+            "wall_over_decode": run.seconds / stats["decode_seconds"] if stats["decode_seconds"] else None,
+            "ttft_seconds": run.seconds - engine_seconds + stats["ttft_seconds"], "engine_ttft_seconds": stats["ttft_seconds"],
+            "new_tokens": stats["new_tokens"]}
+
+
+def _resident_run(model: str, prompt: str):
+    """`localspec run --json` of `prompt` through a resident engine started (and stopped) here."""
+    from localspec.apps import resident
+
     engine = subprocess.Popen([sys.executable, "-m", "localspec.apps.cli", "serve", "--model", model, "--port", "0",
                                "--keep-alive", "forever"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL)
@@ -395,16 +413,10 @@ def localspec_resident_one_shot(model: str, prompt: str) -> dict:
         cmd = [sys.executable, "-m", "localspec.apps.cli", "run", "--model", model, "--max-new-tokens",
                str(ONE_SHOT_TOKENS), "--json", "--"]
         measured_run([*cmd, "Say hello."], "localspec run (resident)")
-        run = measured_run([*cmd, prompt], "localspec run (resident)")
+        return measured_run([*cmd, prompt], "localspec run (resident)")
     finally:
         engine.terminate()
         engine.wait(30)
-    stats = json.loads(run.stdout)["stats"]
-    engine_seconds = stats["ttft_seconds"] + stats["decode_seconds"]
-    return {"seconds": run.seconds, "decode_seconds": stats["decode_seconds"],
-            "wall_over_decode": run.seconds / stats["decode_seconds"] if stats["decode_seconds"] else None,
-            "ttft_seconds": run.seconds - engine_seconds + stats["ttft_seconds"], "engine_ttft_seconds": stats["ttft_seconds"],
-            "new_tokens": stats["new_tokens"]}
 
 
 def _x(ratio: float | None) -> str:

@@ -25,12 +25,10 @@ import http.client
 import importlib
 import inspect
 import json
-import os
 import re
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from dataclasses import replace
@@ -176,6 +174,7 @@ def localspec_modes(entry, registry, spec: SpecConfig, dtype: str, modes: list[s
     from localspec.store import proposer_catalog
     from localspec.store.machine import situation
     from localspec.store.session import costs_for, describe_weights, draft_entry_for, draft_pays, load_models, make_engine
+    from localspec.store.token_history import empty_history
 
     spec = replace(spec, history=True)  # the suffix history is what a replayed session is about
     ranked = proposer_catalog.rank_proposers("auto", entry, registry, **situation(registry, entry.name))
@@ -189,12 +188,8 @@ def localspec_modes(entry, registry, spec: SpecConfig, dtype: str, modes: list[s
     results: dict[str, list[dict]] = {}
     for mode in modes:
         proposer = auto if mode == "auto" else mode
-        with tempfile.TemporaryDirectory(prefix="localspec-trace-") as history:
-            os.environ["LOCALSPEC_HISTORY_DIR"] = history  # an empty suffix history for this mode alone
-            try:
-                engine = make_engine(target, draft, proposer, spec, f"bench --trace ({mode})")
-            finally:
-                del os.environ["LOCALSPEC_HISTORY_DIR"]
+        with empty_history():  # an empty suffix history for this mode alone
+            engine = make_engine(target, draft, proposer, spec, f"bench --trace ({mode})")
             sock = free_port()
             server = uvicorn.Server(uvicorn.Config(create_app(lambda: Served(entry.name, engine)), log_level="warning"))
             thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)

@@ -17,9 +17,11 @@ Files the user names (`--context PATH...`) join the index for the session, never
 
 from __future__ import annotations
 
+import contextlib
 import os
+import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -57,6 +59,22 @@ def history_dir() -> Path:
     """Where the histories live: home_dir()/written, or $LOCALSPEC_HISTORY_DIR (a benchmark's
     replay starts from an empty one)."""
     return Path(os.environ["LOCALSPEC_HISTORY_DIR"]).expanduser() if os.environ.get("LOCALSPEC_HISTORY_DIR") else home_dir() / "written"
+
+
+@contextlib.contextmanager
+def empty_history() -> Iterator[None]:
+    """Inside, every history this process and the processes it starts open is a fresh, empty one,
+    removed after: a benchmark's prompt answered in an earlier run must not be remembered."""
+    before = os.environ.get("LOCALSPEC_HISTORY_DIR")
+    with tempfile.TemporaryDirectory(prefix="localspec-history-") as folder:
+        os.environ["LOCALSPEC_HISTORY_DIR"] = folder
+        try:
+            yield
+        finally:
+            if before is None:
+                del os.environ["LOCALSPEC_HISTORY_DIR"]
+            else:
+                os.environ["LOCALSPEC_HISTORY_DIR"] = before
 
 
 def history_file(model: str) -> Path:
