@@ -4,6 +4,7 @@ greedy decoding and the target's distribution, and the history kept on disk."""
 from __future__ import annotations
 
 import os
+
 import numpy as np
 import pytest
 import torch
