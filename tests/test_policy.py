@@ -9,7 +9,7 @@ from localspec.base.config import SpecConfig
 from localspec.runtime.costs import CostModel
 from localspec.core.policy import (
     Acceptance, DraftPolicy, Proposal, Running, best_draft_len, best_node_count, best_rate, chain_rate, chain_tokens,
-    deeper_pays, draft_model_pays, expected_rate, expected_tokens, predicted_speedup,
+    MODEL_TREES, deeper_pays, draft_model_pays, expected_rate, expected_tokens, predicted_speedup,
 )
 from localspec.core.tree import Draft
 
@@ -163,7 +163,7 @@ def test_a_tree_is_sized_by_the_policy_from_its_measured_levels_and_calibration(
     tree = Draft([1, 2, 3], [-1, 0, -1], confidences=[0.9, 0.5, 0.6])
     for _ in range(20):
         policy.learn(Proposal(tree, model=tree, tree=True), [], 1.0)
-    assert policy.tree_calibration.value < 0.1
+    assert policy.tree_calibration[MODEL_TREES].value < 0.1
     assert policy.tree_nodes(probs, 1, 16) < best_node_count(costs, probs, 2.0, 16)
     assert DraftPolicy(SpecConfig(), None).tree_nodes(probs, 3, 4) == 4  # unmeasured: every node that fits
 
@@ -179,3 +179,18 @@ def test_learn_credits_each_part_of_a_proposal():
     assert policy.by_confidence[9].rate > 0.975  # the model's three guesses, each right
     assert policy.model_rate.value == pytest.approx(4.0)
     assert policy.learn(Proposal(lookup, lookup=lookup), [1, 2], 1.0) is None  # no model part
+
+
+def test_each_lookup_label_learns_its_own_tree_calibration():
+    """Suffix decoding's trees from a one-token match are rarely right, those from a long match
+    often: a label that keeps missing stops being verified, the others are sized as before."""
+    costs = CostModel({1: 1.0, 2: 1.2, 4: 1.6, 8: 2.4}, 0.0)
+    policy = DraftPolicy(SpecConfig(), costs)
+    short = Draft([1, 2, 3], [-1, 0, 1], label="prompt-1", confidences=[1.0, 1.0, 1.0])
+    long = Draft([1, 2, 3], [-1, 0, 1], label="prompt-8", confidences=[1.0, 1.0, 1.0])
+    assert policy.lookup_size(short, 8) == policy.lookup_size(long, 8) > 0
+    for _ in range(20):
+        policy.learn(Proposal(short, lookup=short), [], 1.0)  # never right
+        policy.learn(Proposal(long, lookup=long), [1, 2, 3], 1.0)  # always right
+    assert policy.lookup_size(short, 8) == 0 and policy.lookup_size(long, 8) == 3
+    assert policy.tree_calibration[MODEL_TREES].value == 1.0, "a model's trees keep their own"

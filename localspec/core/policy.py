@@ -47,6 +47,8 @@ PRIOR_ACCEPTANCE = 0.6
 
 UNMEASURED_DRAFT_LEN = 4
 """Guesses verified per pass when no pass cost was measured (tests, a model without calibration)."""
+MODEL_TREES = "model"
+"""The tree calibration a model proposer's trees share (a lookup's trees have their labels')."""
 
 
 class Running:
@@ -195,8 +197,10 @@ class DraftPolicy:
         """Tokens per second of the passes the model proposer drafted for."""
         self.level_seconds = Running()
         """Seconds of one tree level (one step of an EAGLE head)."""
-        self.tree_calibration = Running(prior=1.0)
-        """Accepted tokens over predicted ones (the sum of a tree's path probabilities)."""
+        self.tree_calibration: dict[str, Running] = defaultdict(lambda: Running(prior=1.0))
+        """Accepted tokens over predicted ones (the sum of a tree's path probabilities): a model's
+        trees under MODEL_TREES, a lookup's under its label (suffix decoding's match length and
+        where it matched), since a one-token match's counts promise far more than they keep."""
         self.guard = SpeedGuard(costs) if costs is not None else None
 
     @property
@@ -255,7 +259,7 @@ class DraftPolicy:
             return self.lookup_len(guess.label, len(guess))
         if self.spec.draft_len is not None:
             return min(self.spec.draft_len, len(guess))
-        return self.tree_nodes(path_probabilities(guess), 0, limit)
+        return self._tree_size(path_probabilities(guess), 0, limit, guess.label)
 
     def lookup_alone_pays(self, guess: Draft) -> bool:
         """Whether verifying a lookup guess alone is expected to beat the model proposer's measured
@@ -287,9 +291,12 @@ class DraftPolicy:
     def tree_nodes(self, probs: list[float], levels: int, limit: int) -> int:
         """How many of a tree's candidates (path probabilities `probs`, most likely first,
         ancestors before descendants) to verify after drafting `levels` levels."""
+        return self._tree_size(probs, levels, limit, MODEL_TREES)
+
+    def _tree_size(self, probs: list[float], levels: int, limit: int, label: str) -> int:
         if self.costs is None:
             return min(limit, len(probs))
-        return best_node_count(self.costs, self._reach(probs), levels * (self.level_seconds.value or 0.0), limit)
+        return best_node_count(self.costs, self._reach(probs, label), levels * (self.level_seconds.value or 0.0), limit)
 
     def another_level(self, probs: list[float], nodes: int, frontier: list[float], levels: int, limit: int) -> bool:
         """Whether one more tree level can raise the expected rate: the tree of the `nodes` best
@@ -305,9 +312,11 @@ class DraftPolicy:
         """A tree level took `seconds` to draft."""
         self.level_seconds.add(seconds, 1)
 
-    def _reach(self, probs: list[float]) -> list[float]:
-        """A tree's path probabilities as acceptance: scaled by how well they predicted so far."""
-        return [self.tree_calibration.value * p for p in probs]
+    def _reach(self, probs: list[float], label: str = "") -> list[float]:
+        """A tree's path probabilities as acceptance: scaled by how well those of its kind
+        (`label`; a model's by default) predicted so far."""
+        calibration = self.tree_calibration[label or MODEL_TREES].value  # an unlabelled tree is a model's
+        return [calibration * p for p in probs]
 
     # -- after the pass ----------------------------------------------------------------------------
 
@@ -320,7 +329,8 @@ class DraftPolicy:
             self.lookup_acceptance[guess.label].update(len(guess), right)
             self.lookup_evidence[guess.label].update(len(guess), right)
         elif guess is not None:  # a lookup's tree: its path probabilities, calibrated as a model's tree is
-            self.tree_calibration.add(len(matched_path(guess, accepted)), sum(path_probabilities(guess)))
+            self.tree_calibration[guess.label or MODEL_TREES].add(len(matched_path(guess, accepted)),
+                                                                  sum(path_probabilities(guess)))
         own = proposal.model
         if own is None:
             return None
@@ -330,7 +340,7 @@ class DraftPolicy:
             for i, confidence in enumerate(own.confidences[: len(path) + 1]):
                 self._confidence_bin(confidence).update(1, 1 if i < len(path) else 0)
         if proposal.tree and len(own):
-            self.tree_calibration.add(len(path), sum(path_probabilities(own)))
+            self.tree_calibration[MODEL_TREES].add(len(path), sum(path_probabilities(own)))
         return len(path)
 
     def _confidence_bin(self, confidence: float) -> Acceptance:
