@@ -55,6 +55,10 @@ def test_draft_length_follows_measured_costs():
     assert best_rate(STEEP, 0.8, 12) == pytest.approx(chain_rate(STEEP, 0.8, g))
     assert best_rate(STEEP, 0.8, 0) == pytest.approx(1 / 0.25)
     assert draft_model_pays(STEEP, 0.8, 12) and not draft_model_pays(slow_draft, 0.8, 12)
+    # a draft that would only break even on its calibrated costs is not taken: generation's passes run slower
+    even = next(step for step in (x / 1000 for x in range(1, 500)) if best_rate(CostModel(STEEP.verify_seconds, draft_step_seconds=step), 0.8, 12) < 1.1 / 0.25)
+    assert best_draft_len(CostModel(STEEP.verify_seconds, draft_step_seconds=even), 0.8, 12) > 0
+    assert not draft_model_pays(CostModel(STEEP.verify_seconds, draft_step_seconds=even), 0.8, 12)
 
 
 def test_tree_size_and_depth_follow_measured_costs():

@@ -216,7 +216,7 @@ def test_under_auto_a_draft_that_cannot_pay_gives_way_and_is_dropped(opening, ca
         return
     assert (opened.proposer, opened.draft) == ("ngram", None)
     why = ("the draft's measured step (60 ms) against the target's one-token pass (30 ms) cannot beat plain "
-           "decoding even at 70% acceptance")
+           "decoding by 15% even at 70% acceptance")
     assert opened.reason == f"{PROMPT_LOOKUP} ({why})" and opened.reason.short == "draft too slow here: 60 ms a step"
     assert f"{why}; using prompt lookup instead" in capsys.readouterr().err
 
@@ -233,7 +233,7 @@ def test_each_candidate_passed_over_is_named_where_it_ranked(opening, capsys):
     said = [part.split(":")[0] for part in opened.reason.removeprefix(f"{PROMPT_LOOKUP} (").split("; ")]
     assert said == ["the EAGLE head here cannot be loaded", "first left out",
                     "the draft's measured step (60 ms) against the target's one-token pass (30 ms) cannot beat "
-                    "plain decoding even at 70% acceptance", "second left out)"]
+                    "plain decoding by 15% even at 70% acceptance", "second left out)"]
     notices = capsys.readouterr().err.splitlines()
     assert notices[0].startswith("localspec: the EAGLE head here cannot be loaded: ")
     assert notices[0].endswith(f"; using draft {DRAFT} instead") and notices[1].endswith("; using prompt lookup instead")

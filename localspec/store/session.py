@@ -183,7 +183,8 @@ class Session:
             step = f"{costs.draft_step_seconds * 1e3:.0f} ms"
             raise DraftCannotPay(Reason(
                 f"the draft's measured step ({step}) against the target's one-token pass "
-                f"({costs.verify(1) * 1e3:.0f} ms) cannot beat plain decoding even at {ASSUMED_ACCEPTANCE:.0%} acceptance",
+                f"({costs.verify(1) * 1e3:.0f} ms) cannot beat plain decoding by {policy.DRAFT_MARGIN - 1:.0%} "
+                f"even at {ASSUMED_ACCEPTANCE:.0%} acceptance",
                 f"draft too slow here: {step} a step",
             ))
         engine = make_engine(self.target, draft, proposer, spec, reason, costs)
