@@ -322,8 +322,12 @@ class DraftPolicy:
     def _reach(self, probs: list[float], label: str = "") -> list[float]:
         """A tree's path probabilities as acceptance: scaled by how well those of its kind
         (`label`; a model's by default) predicted so far."""
-        calibration = self.tree_calibration[label or MODEL_TREES].value  # an unlabelled tree is a model's
+        calibration = self._calibration(label).value
         return [calibration * p for p in probs]
+
+    def _calibration(self, label: str) -> Running:
+        """The tree calibration of trees labelled `label`; an unlabelled tree is a model's."""
+        return self.tree_calibration[label or MODEL_TREES]
 
     # -- after the pass ----------------------------------------------------------------------------
 
@@ -336,8 +340,7 @@ class DraftPolicy:
             self.lookup_acceptance[guess.label].update(len(guess), right)
             self.lookup_evidence[guess.label].update(len(guess), right)
         elif guess is not None:  # a lookup's tree: its path probabilities, calibrated as a model's tree is
-            self.tree_calibration[guess.label or MODEL_TREES].add(len(matched_path(guess, accepted)),
-                                                                  sum(path_probabilities(guess)))
+            self._calibration(guess.label).add(len(matched_path(guess, accepted)), sum(path_probabilities(guess)))
         own = proposal.model
         if own is None:
             return None
